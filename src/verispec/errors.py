@@ -1,0 +1,30 @@
+"""Errors a user can act on. The CLI prints their message on one line and exits non-zero."""
+
+
+class VerispecError(Exception):
+    """Base class: the message says what went wrong and what to do."""
+
+
+class InvalidModelFile(VerispecError):
+    """A model file is truncated, corrupt or inconsistent."""
+
+    def __init__(self, path: object, problem: str):
+        super().__init__(f"invalid model file {path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class UnsupportedModel(VerispecError):
+    """The file is valid but uses an architecture or tensor type verispec does not run."""
+
+
+class ModelNotFound(VerispecError):
+    """A model argument names no file, directory or built-in model."""
+
+
+class ModelNotInstalled(VerispecError):
+    """A built-in model's weight packages are missing or corrupt."""
+
+
+class InvalidRequest(VerispecError):
+    """Bad sampling parameters or prompt."""

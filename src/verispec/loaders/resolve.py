@@ -1,0 +1,156 @@
+"""Model argument -> loaded model. A model argument is a built-in name, a `.gguf` file, or a directory.
+
+GGUF files are slow to parse and dequantize, so the first load of a GGUF writes a *prepared*
+directory to the cache (fp32 `model.safetensors`, `tokenizer.json`, `verispec.json`); later loads
+read that directory, which is the same code path as a Hugging Face model directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from verispec.config import ModelConfig
+from verispec.errors import InvalidModelFile, ModelNotFound, VerispecError
+from verispec.loaders import builtin
+from verispec.loaders.checkpoint import build_model
+from verispec.loaders.tokenizer import TextTokenizer
+from verispec.models import Transformer
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+PREPARED_VERSION = 1
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: Transformer
+    tokenizer: TextTokenizer | None
+    source: Path
+    load_s: float
+    cold: bool          # True when this load had to parse/dequantize a GGUF
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise VerispecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+def load_model(arg: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               progress: bool = False) -> LoadedModel:
+    start = time.perf_counter()
+    torch_dtype = parse_dtype(dtype)
+    name = str(arg)
+    if name in builtin.BUILTIN_MODELS:
+        path = builtin.ensure_assembled(name, progress=progress)
+        key = builtin.BUILTIN_MODELS[name].sha256[:16]
+    else:
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise ModelNotFound(f"no model {name!r}: not a file, a directory, or a built-in name "
+                                f"({', '.join(builtin.BUILTIN_MODELS)})")
+        if path.is_dir():
+            model, tok = load_directory(path, torch_dtype, device)
+            return LoadedModel(path.name, model, tok, path, time.perf_counter() - start, False)
+        stat = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        name = path.stem
+    prepared = builtin.cache_dir() / "prepared" / f"{path.stem}-{key}"
+    cold = not (prepared / "verispec.json").is_file()
+    if cold:
+        model, tok = _prepare_gguf(path, prepared, torch_dtype, device, progress)
+    else:
+        model, tok = load_directory(prepared, torch_dtype, device)
+    return LoadedModel(name, model, tok, path, time.perf_counter() - start, cold)
+
+
+def _prepare_gguf(path: Path, prepared: Path, dtype: torch.dtype, device: str, progress: bool):
+    from verispec.loaders.gguf_loader import load_gguf, open_reader
+    from verispec.loaders.tokenizer import tokenizer_from_gguf
+
+    def report(i: int, n: int) -> None:
+        if progress and (i == n or i % max(1, n // 20) == 0):
+            print(f"\rpreparing {path.name} (first load only): {100 * i // n}%", end="" if i < n else "\n",
+                  file=sys.stderr, flush=True)
+
+    cfg, state = load_gguf(path, torch.float32, on_tensor=report)
+    tok, info = tokenizer_from_gguf(open_reader(path))
+    tmp = prepared.with_name(prepared.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file({k: v for k, v in state.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")},
+                  str(tmp / "model.safetensors"))
+        if tok is not None:
+            tok.save(str(tmp / "tokenizer.json"))
+        meta = {"version": PREPARED_VERSION, "source": str(path), "config": asdict(cfg), "tokenizer": info}
+        (tmp / "verispec.json").write_text(json.dumps(meta, indent=1))
+        shutil.rmtree(prepared, ignore_errors=True)
+        tmp.rename(prepared)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    model = build_model(cfg, state, dtype, device, path)
+    text_tok = TextTokenizer.from_files(prepared / "tokenizer.json", info) if tok is not None else None
+    return model, text_tok
+
+
+def load_directory(directory: Path, dtype: torch.dtype, device: str) -> tuple[Transformer, TextTokenizer | None]:
+    """A prepared directory (verispec.json) or a Hugging Face directory (config.json + safetensors)."""
+    meta_path, hf_config = directory / "verispec.json", directory / "config.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        cfg, info = ModelConfig(**meta["config"]), meta.get("tokenizer", {})
+    elif hf_config.is_file():
+        try:
+            cfg = ModelConfig.from_hf_dict(json.loads(hf_config.read_text()))
+        except (KeyError, ValueError) as exc:
+            raise InvalidModelFile(hf_config, f"bad config ({type(exc).__name__}: {exc})") from None
+        info = _hf_tokenizer_info(directory, json.loads(hf_config.read_text()))
+    else:
+        raise ModelNotFound(f"{directory} is not a model directory (no config.json)")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise InvalidModelFile(directory, "no *.safetensors weight files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as exc:
+            raise InvalidModelFile(f, f"cannot read safetensors ({exc})") from None
+    model = build_model(cfg, state, dtype, device, directory)
+    tok_file = directory / "tokenizer.json"
+    tok = TextTokenizer.from_files(tok_file, info) if tok_file.is_file() else None
+    return model, tok
+
+
+def _hf_tokenizer_info(directory: Path, config: dict) -> dict:
+    info: dict = {"eos_token_id": config.get("eos_token_id"), "bos_token_id": config.get("bos_token_id")}
+    tc = directory / "tokenizer_config.json"
+    if tc.is_file():
+        data = json.loads(tc.read_text())
+        info["chat_template"] = data.get("chat_template")
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        info["chat_template"] = jinja.read_text()
+    gen = directory / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        info["stop_token_ids"] = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    return info

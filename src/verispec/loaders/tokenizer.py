@@ -1,0 +1,152 @@
+"""Tokenizer and chat template, built with the `tokenizers` library (no hand-written BPE).
+
+From a GGUF file the byte-level BPE is rebuilt from `tokenizer.ggml.*` metadata; from a model
+directory `tokenizer.json` is read as is. Building from GGUF takes seconds, so the prepared-model
+cache stores the result as `tokenizer.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from verispec.errors import UnsupportedModel
+
+# Pre-tokenizer split patterns by `tokenizer.ggml.pre` (as in the models' own tokenizer.json files).
+_SPLIT_PATTERNS = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+_STOP_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def _string_array(reader, key: str) -> list[str]:
+    f = reader.get_field(key)
+    return [] if f is None else [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+
+
+def _int_array(reader, key: str) -> list[int]:
+    f = reader.get_field(key)
+    return [] if f is None else [int(f.parts[i][0]) for i in f.data]
+
+
+def tokenizer_from_gguf(reader) -> tuple[Tokenizer | None, dict]:
+    """Rebuild the BPE tokenizer from GGUF metadata. Returns (tokenizer or None, extra info)."""
+    from verispec.loaders.gguf_loader import field as meta
+
+    info = {"chat_template": meta(reader, "tokenizer.chat_template"),
+            "eos_token_id": meta(reader, "tokenizer.ggml.eos_token_id"),
+            "bos_token_id": meta(reader, "tokenizer.ggml.bos_token_id"),
+            "add_bos_token": bool(meta(reader, "tokenizer.ggml.add_bos_token", False))}
+    kind = meta(reader, "tokenizer.ggml.model")
+    if kind is None:
+        return None, info
+    if kind != "gpt2":
+        raise UnsupportedModel(f"tokenizer type {kind!r} is not supported (byte-level BPE 'gpt2' only); "
+                               "pass token ids instead of text")
+    pre = meta(reader, "tokenizer.ggml.pre", "qwen2")
+    tokens = _string_array(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in _string_array(reader, "tokenizer.ggml.merges")]
+    types = _int_array(reader, "tokenizer.ggml.token_type")
+
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                               fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_SPLIT_PATTERNS.get(pre, _SPLIT_PATTERNS["qwen2"])), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens([AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
+                    for i in range(len(tokens)) if types[i] in (_CONTROL, _USER_DEFINED)])
+    return tok, info
+
+
+@dataclass
+class TextTokenizer:
+    """Encode/decode text, render the chat template, and know which tokens stop generation."""
+
+    tokenizer: Tokenizer
+    chat_template: str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    add_bos_token: bool = False
+
+    @classmethod
+    def from_files(cls, tokenizer_json: Path, info: dict) -> "TextTokenizer":
+        tok = Tokenizer.from_file(str(tokenizer_json))
+        stops = set(int(i) for i in info.get("stop_token_ids", []))
+        eos = info.get("eos_token_id")
+        for e in (eos if isinstance(eos, list) else [eos]):
+            if e is not None:
+                stops.add(int(e))
+        for text in _STOP_TEXTS:
+            tid = tok.token_to_id(text)
+            if tid is not None:
+                stops.add(tid)
+        return cls(tok, info.get("chat_template"), sorted(stops), info.get("bos_token_id"),
+                   bool(info.get("add_bos_token")))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise UnsupportedModel("this model has no chat template; use --raw to send the prompt as is")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=None)
+
+
+def _raise(message: str):
+    raise ValueError(message)
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
+
+    Byte-level BPE tokens can end inside a multi-byte character; the decoder then yields "\ufffd".
+    We hold such a tail back until the character completes.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, skip_special: bool = True):
+        self.tok = tokenizer
+        self.skip = skip_special
+        self.ids: list[int] = []
+        self.emitted = 0   # characters of the decoded text already returned
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        text = self.tok.decode(self.ids, skip_special=self.skip)
+        stable = len(text)
+        while stable > self.emitted and text[stable - 1] == "\ufffd":
+            stable -= 1
+        delta = text[self.emitted:stable]
+        self.emitted = stable
+        return delta
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.ids, skip_special=self.skip)
+        delta = text[self.emitted:]
+        self.emitted = len(text)
+        return delta
+
+
+def save_tokenizer_info(directory: Path, info: dict) -> None:
+    (directory / "tokenizer_info.json").write_text(json.dumps(info))

@@ -1,0 +1,148 @@
+"""One model family for Qwen2 and Llama: RMSNorm, RoPE, grouped-query attention, SwiGLU, optional QKV bias.
+
+Module names mirror Hugging Face's (`model.layers.N.self_attn.q_proj`, `lm_head`, ...) so a
+safetensors checkpoint loads as is and GGUF tensors map onto one naming. Linear layers are plain
+`nn.Linear` modules: a quantization handler swaps them without this file knowing.
+
+The model never allocates a cache (DESIGN rule 1): `forward` takes a `CacheView` from the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.config import ModelConfig
+from verispec.models.kv_cache import CacheView
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE in the rotate-half layout (Hugging Face's; GGUF llama Q/K are un-permuted at load)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq      # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)                    # (B, T, D)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # (B, 1, T, D)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        c, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(c, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(c, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(c, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CacheView) -> torch.Tensor:
+        b, t, _ = x.shape                                                     # (B, T, C)
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)   # (B, H, T, D)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)      # (B, H_kv, T, D)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys, values = cache.update(self.layer, k, v)                         # (B, H_kv, S, D)
+        out = F.scaled_dot_product_attention(
+            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=cache.mask,
+            enable_gqa=self.n_heads != self.n_kv,
+        )                                                                     # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """`forward(input_ids, positions, cache) -> hidden`; `logits(hidden, rows)` for chosen rows only."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: CacheView) -> torch.Tensor:
+        """input_ids, positions: (B, T) -> hidden states (B, T, C) before the final norm."""
+        x = self.model.embed_tokens(input_ids)                                 # (B, T, C)
+        cos, sin = self.rotary(positions, x.dtype)
+        for block in self.model.layers:
+            x = block(x, cos, sin, cache)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """hidden (B, T, C), rows (B, R) indices into T -> float32 logits (B, R, V).
+
+        The final norm and LM head run only on the gathered rows: a verify pass asks for K+1,
+        a decode step for 1, a prefill for the last prompt token.
+        """
+        idx = rows[..., None].expand(-1, -1, hidden.shape[-1])                 # (B, R, C)
+        h = self.model.norm(torch.gather(hidden, 1, idx))
+        return self.lm_head(h).float()

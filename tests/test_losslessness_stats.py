@@ -1,0 +1,110 @@
+"""Statistical losslessness: emitted tokens follow the (warped) target at every position.
+
+10^5 sequences per case with fixed seeds, so the test is deterministic; the threshold (p > 1e-4
+at every position, TV < 0.01) is far from what the broken samplers below produce.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stat_harness import chi_square_p_values, exact_marginals, random_tables, run_speculative, total_variation
+from verispec.sampling import accept_sampling
+from verispec.sampling.acceptance import AcceptanceResult
+
+V, N_TOKENS, SAMPLES = 8, 4, 100_000
+
+
+def warp_table(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
+    from verispec.sampling import warp_probs
+    t, s, v = logits.shape
+    flat = logits.reshape(1, t * s, v)
+    probs = warp_probs(flat, torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]))
+    return probs.reshape(t, s, v)
+
+
+def assert_matches_target(P, tokens):
+    marg = exact_marginals(P, N_TOKENS)
+    pvals = chi_square_p_values(tokens, marg)
+    tvs = [total_variation(tokens, marg[t], t) for t in range(N_TOKENS)]
+    assert min(pvals) > 1e-4 and max(tvs) < 0.01, (pvals, tvs)
+
+
+def is_biased(P, tokens) -> bool:
+    marg = exact_marginals(P, N_TOKENS)
+    return min(chi_square_p_values(tokens, marg)) < 1e-8
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_draft_sampling_matches_target(k):
+    P = torch.softmax(random_tables(1, N_TOKENS + k + 1, V), -1)
+    Q = torch.softmax(random_tables(2, N_TOKENS + k + 1, V), -1)
+    assert_matches_target(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=k))
+
+
+@pytest.mark.parametrize("warp", [dict(temperature=0.7), dict(top_k=3), dict(top_p=0.8),
+                                  dict(temperature=1.3, top_k=5, top_p=0.9)])
+def test_warped_p_and_q_match_warped_target(warp):
+    k = 3
+    P = warp_table(random_tables(3, N_TOKENS + k + 1, V), **warp)
+    Q = warp_table(random_tables(4, N_TOKENS + k + 1, V), **warp)
+    assert_matches_target(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=5))
+
+
+def test_draft_equal_to_target_accepts_everything():
+    k = 4
+    P = torch.softmax(random_tables(5, N_TOKENS + k + 1, V), -1)
+    tokens = run_speculative(P, P, k, N_TOKENS, SAMPLES, seed=6)
+    assert_matches_target(P, tokens)
+    p = P[:k + 1, V][None].repeat(50, 1, 1)
+    res = accept_sampling(p, torch.zeros(50, k, dtype=torch.long), p[:, :k], torch.full((50,), k),
+                          [torch.Generator().manual_seed(0)] * 50)
+    # With q == p every draft has acceptance probability min(1, p/q) = 1.
+    assert res.num_accepted.tolist() == [k] * 50
+
+
+def test_disjoint_supports_never_accept_and_stay_exact():
+    k = 2
+    logits_p = random_tables(7, N_TOKENS + k + 1, V)
+    logits_q = random_tables(8, N_TOKENS + k + 1, V)
+    logits_p[..., V // 2:] = float("-inf")      # p lives on the lower half of the vocabulary
+    logits_q[..., : V // 2] = float("-inf")     # q on the upper half
+    P, Q = torch.softmax(logits_p, -1), torch.softmax(logits_q, -1)
+    assert_matches_target(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=9))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_point_mass_proposals_match_target(k):
+    P = torch.softmax(random_tables(10, N_TOKENS + k + 1, V), -1)
+    Q = torch.softmax(random_tables(11, N_TOKENS + k + 1, V), -1)   # a deterministic-looking proposer
+    assert_matches_target(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=12, point_mass=True))
+
+
+# --- the same check must catch real bugs -------------------------------------------------------
+
+def _recover_from_p(p, drafts, q, num_draft, generators) -> AcceptanceResult:
+    """Bug: on rejection, resample from p instead of norm(max(0, p - q))."""
+    res = accept_sampling(p, drafts, q, num_draft, generators)
+    for row in range(len(drafts)):
+        j = int(res.num_accepted[row])
+        if j < int(num_draft[row]):
+            res.tokens[row, j] = torch.multinomial(p[row, j], 1, generator=generators[row])
+    return res
+
+
+def test_broken_residual_is_detected():
+    k = 2
+    P = torch.softmax(random_tables(1, N_TOKENS + k + 1, V), -1)
+    Q = torch.softmax(random_tables(2, N_TOKENS + k + 1, V), -1)
+    assert is_biased(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=3, accept=_recover_from_p))
+
+
+def test_unwarped_q_is_detected():
+    """Bug seen in the wild: the draft samples from warped q but acceptance uses the raw q."""
+    k = 2
+    raw_q = random_tables(4, N_TOKENS + k + 1, V)
+    P = warp_table(random_tables(3, N_TOKENS + k + 1, V), temperature=0.5, top_k=3)
+    Q_warped = warp_table(raw_q, temperature=0.5, top_k=3)
+    tokens = run_speculative(P, Q_warped, k, N_TOKENS, SAMPLES, seed=5, q_for_acceptance=torch.softmax(raw_q, -1))
+    assert is_biased(P, tokens)
