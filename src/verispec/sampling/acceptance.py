@@ -79,9 +79,9 @@ def accept_sampling(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor
     valid = _valid(num_draft, k)                                                  # (B, K)
     p_tok = p[:, :k].gather(-1, safe_tokens[..., None]).squeeze(-1)               # (B, K)
     q_tok = q.gather(-1, safe_tokens[..., None]).squeeze(-1)                      # (B, K)
-    u = uniforms(generators, k + 1, p.device)                                     # (B, K+1)
+    u, u_final = _round_uniforms(generators, num_draft, k, p.device)             # (B, K), (B,)
     # u < min(1, p/q)  <=>  u·q < p  (q(x̃) > 0 whenever x̃ was drawn from q)
-    accepted = (u[:, :k] * q_tok < p_tok) & valid
+    accepted = (u * q_tok < p_tok) & valid
     n = _leading_true(accepted)                                                   # (B,)
 
     # The final token: recovered from norm(max(0, p_n - q_n)) if row rejected at n, else bonus from p_n.
@@ -93,13 +93,29 @@ def accept_sampling(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor
     residual = (p_n - q_n).clamp_min(0)
     empty = residual.sum(-1) <= 0                     # p == q up to rounding: the residual is empty
     dist = torch.where((rejected & ~empty)[:, None], residual, p_n)
-    final = inverse_cdf(dist, u[:, k])                                            # (B,)
+    final = inverse_cdf(dist, u_final)                                            # (B,)
 
     tokens = torch.full((b, k + 1), -1, dtype=torch.long, device=p.device)
     tokens[:, :k] = torch.where(torch.arange(k)[None, :] < n[:, None], draft_tokens, -1)
     tokens[rows, n] = final
     overlap = torch.minimum(p[:, :k], q).sum(-1) * valid
     return AcceptanceResult(n, tokens, overlap)
+
+
+def _round_uniforms(generators, num_draft: torch.Tensor, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row b takes num_draft[b] + 1 uniforms from its own generator (acceptance tests, then the final
+    token), so what a request draws never depends on the other rows of the batch."""
+    b = len(generators)
+    nd = num_draft.tolist()
+    if b and all(g is generators[0] for g in generators) and all(n == k for n in nd):
+        u = torch.rand(b, k + 1, generator=generators[0], device=device)
+        return u[:, :k], u[:, k]
+    u = torch.ones(b, k, device=device)
+    u_final = torch.empty(b, device=device)
+    for row, (g, n) in enumerate(zip(generators, nd)):
+        r = torch.rand(n + 1, generator=g, device=device)
+        u[row, :n], u_final[row] = r[:n], r[n]
+    return u, u_final
 
 
 def uniforms(generators: list[torch.Generator | None], n: int, device=None) -> torch.Tensor:

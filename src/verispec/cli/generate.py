@@ -1,0 +1,86 @@
+"""`verispec generate`: one prompt in, streamed text out, a one-line summary on stderr."""
+
+from __future__ import annotations
+
+import sys
+
+from verispec.errors import InvalidRequest
+from verispec.loaders.builtin import DEFAULT_TARGET
+from verispec.proposers import REGISTRY
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt",
+                       description="Generate a completion. The prompt comes from the argument or stdin; "
+                                   "instruct models get their chat template unless --raw.")
+    p.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
+    add_model_args(p)
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(run=run)
+
+
+def add_model_args(p) -> None:
+    p.add_argument("--model", default=DEFAULT_TARGET,
+                   help=f"target: a .gguf file, a Hugging Face directory, or a built-in name (default {DEFAULT_TARGET})")
+    p.add_argument("--draft", default=None,
+                   help="draft model for --proposer draft (default: the embedded 0.5B with the embedded target)")
+    p.add_argument("--proposer", default=None, choices=sorted(REGISTRY),
+                   help="how drafts are proposed: draft (a small model), ngram (prompt lookup), "
+                        "none (plain decoding). Default: draft with the embedded pair, else ngram")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weight and activation dtype (default float32)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+
+
+def build_llm(args):
+    from verispec import LLM
+
+    return LLM(model=args.model, draft=args.draft, proposer=args.proposer, k=args.k, dtype=args.dtype,
+               device=args.device, progress=True)
+
+
+def run(args) -> int:
+    from verispec import SamplingParams
+    from verispec.cli.main import print_json
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise InvalidRequest("empty prompt: pass it as an argument or on stdin")
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop)
+    llm = build_llm(args)
+    if not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt = llm.chat_prompt(messages + [{"role": "user", "content": prompt}])
+
+    def stream(seq) -> None:
+        delta = seq.take_stream_delta()
+        if delta:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
+    out = llm.generate([prompt], params, on_update=None if args.json else stream)[0]
+    if args.json:
+        print_json(out.to_dict())
+        return 0
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    spec = out.spec
+    extra = ""
+    if spec.get("rounds"):
+        rate = spec["acceptance_rate"]
+        extra = (f", {spec['proposer']} k={spec['k']}: acceptance {rate:.0%}" if rate is not None else "") + \
+                f", τ={spec['mean_accepted_length']:.2f} tokens/round"
+    tps = f"{out.tokens_per_s:.2f} tok/s" if out.tokens_per_s else "n/a"
+    print(f"[{out.prompt_tokens} prompt tokens, {out.generated_tokens} generated ({out.finish_reason}), "
+          f"prefill {out.prefill_s:.2f}s, decode {tps}{extra}]", file=sys.stderr)
+    return 0

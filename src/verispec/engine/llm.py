@@ -1,0 +1,190 @@
+"""`verispec.LLM`: load a target (and a proposer), then generate for a batch of prompts."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence as Seq
+
+import torch
+
+from verispec.engine.metrics import SpecMetrics
+from verispec.engine.params import SamplingParams
+from verispec.engine.runner import ModelRunner
+from verispec.engine.sequence import Sequence
+from verispec.engine.spec_round import speculative_round
+from verispec.errors import InvalidRequest, VerispecError
+from verispec.loaders.builtin import DEFAULT_DRAFT, DEFAULT_TARGET
+from verispec.loaders.resolve import LoadedModel, load_model
+from verispec.models import Transformer
+from verispec.proposers import REGISTRY, Proposer
+
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestOutput:
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_s: float          # start → first generated token (time to first token)
+    decode_s: float           # first token → last token
+    tokens_per_s: float | None  # (generated_tokens − 1) / decode_s
+    spec: dict
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": self.prompt_tokens,
+                "generated_tokens": self.generated_tokens, "finish_reason": self.finish_reason,
+                "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
+                "tokens_per_s": self.tokens_per_s, "spec": self.spec}
+
+
+class LLM:
+    """A target model, an optional draft model, and a proposer chosen by name.
+
+    >>> llm = LLM()                                  # embedded 1.5B target, 0.5B draft
+    >>> out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
+    """
+
+    def __init__(self, model: str | Transformer = DEFAULT_TARGET, draft: str | Transformer | None = None, proposer: str | None = None,
+                 k: int = 4, dtype: str = "float32", device: str = "cpu", max_batch: int = 32,
+                 progress: bool = False, ngram_n: tuple[int, int] = (3, 1)):
+        if proposer is not None and proposer not in REGISTRY:
+            raise VerispecError(f"unknown proposer {proposer!r}; choose one of {', '.join(sorted(REGISTRY))}")
+        if not isinstance(k, int) or not 0 <= k <= 16:
+            raise VerispecError(f"k must be an integer in 0 … 16, got {k!r}")
+        if max_batch < 1:
+            raise VerispecError(f"max_batch must be >= 1, got {max_batch}")
+        self.target: LoadedModel = _load(model, dtype, device, progress)
+        self.tokenizer = self.target.tokenizer
+        if proposer is None:
+            proposer = "draft" if (draft is not None or str(model) == DEFAULT_TARGET) else "ngram"
+        self.draft: LoadedModel | None = None
+        if proposer == "draft":
+            self.draft = _load(draft if draft is not None else DEFAULT_DRAFT, dtype, device, progress)
+            check_vocab_compatible(self.target, self.draft)
+        self.proposer_name = proposer
+        self.k = k if proposer != "none" else 0
+        self.max_batch = max_batch
+        self._ngram_n = ngram_n
+        self.context_length = self.target.config.max_position_embeddings
+
+    # -- proposers ------------------------------------------------------------------------
+    def _make_proposer(self) -> Proposer:
+        factory = REGISTRY[self.proposer_name]
+        if self.proposer_name == "draft":
+            return factory(self.draft.model, self.target.config.vocab_size)
+        if self.proposer_name == "ngram":
+            return factory(*self._ngram_n)
+        return factory()
+
+    # -- prompts --------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer: pass prompts as lists of token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        v = self.target.config.vocab_size
+        if any(not 0 <= t < v for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {v})")
+        return ids
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer, so no chat template")
+        return self.tokenizer.apply_chat_template(messages)
+
+    # -- generation -----------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None,
+                 on_update: Callable[[Sequence], None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (and n samples each) together; outputs in prompt order.
+
+        on_update(seq) is called after every round for each sequence that changed (for streaming).
+        """
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        encoded = [self.encode(p) for p in prompts]
+        for ids in encoded:
+            if len(ids) + params.max_tokens > self.context_length:
+                raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                                     f"the model's context of {self.context_length} tokens")
+        jobs = [(i, ids, j) for i, ids in enumerate(encoded) for j in range(params.n)]
+        outputs: list[RequestOutput] = []
+        for start in range(0, len(jobs), self.max_batch):
+            outputs += self._run_batch(jobs[start:start + self.max_batch], params, on_update)
+        return outputs
+
+    def _run_batch(self, jobs, params: SamplingParams, on_update) -> list[RequestOutput]:
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos and self.tokenizer is not None:
+            stop_ids |= set(self.tokenizer.stop_token_ids)
+        seqs = []
+        for slot, (index, ids, sample) in enumerate(jobs):
+            seed = params.seed + sample if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+            seqs.append(Sequence(index, ids, params, torch.Generator().manual_seed(seed), slot,
+                                 frozenset(stop_ids), self.tokenizer, SpecMetrics(self.proposer_name, self.k)))
+        max_len = min(max(len(s.prompt_ids) for s in seqs) + params.max_tokens + 2 * (self.k + 1) + 1,
+                      self.context_length + 2 * (self.k + 1) + 1)
+        t_start = time.perf_counter()
+        target = ModelRunner(self.target.model, len(seqs), max_len)
+        proposer = self._make_proposer()
+        target.prefill([s.slot for s in seqs], [s.tokens for s in seqs])
+        proposer.start(seqs, len(seqs), max_len)
+        first_token_at: dict[int, float] = {}
+        active = list(seqs)
+        while active:
+            ks = [min(self.k, s.params.max_tokens - len(s.generated) - 1) for s in active]
+            speculative_round(active, target, proposer, [max(0, k) for k in ks])
+            now = time.perf_counter()
+            for s in active:
+                if s.generated or s.finished:
+                    first_token_at.setdefault(s.slot, now)
+                if on_update:
+                    on_update(s)
+            active = [s for s in active if not s.finished]
+        t_end = time.perf_counter()
+        proposer.reset()
+        return [self._output(s, t_start, first_token_at.get(s.slot, t_end), t_end) for s in seqs]
+
+    def _output(self, s: Sequence, t_start: float, t_first: float, t_end: float) -> RequestOutput:
+        n = len(s.generated)
+        decode_s = t_end - t_first
+        text = s.text if self.tokenizer is not None else None
+        return RequestOutput(s.index, s.prompt_ids, s.generated, text, s.finish_reason, len(s.prompt_ids), n,
+                             t_first - t_start, decode_s, (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+                             s.metrics.to_dict() if self.proposer_name != "none" else {"proposer": "none"})
+
+
+def _load(model, dtype, device, progress) -> LoadedModel:
+    """A model argument, or an in-memory Transformer (tests, embedding verispec in other code)."""
+    if isinstance(model, LoadedModel):
+        return model
+    if isinstance(model, Transformer):
+        return LoadedModel("in-memory", model, None, None, 0.0, False)
+    return load_model(model, dtype, device, progress)
+
+
+def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Equal vocabularies, or differing only by padding rows beyond the tokenizer (151936 vs 152064)."""
+    vt, vd = target.config.vocab_size, draft.config.vocab_size
+    tt, td = target.tokenizer, draft.tokenizer
+    if tt is not None and td is not None:
+        if tt.tokenizer.get_vocab(with_added_tokens=True) != td.tokenizer.get_vocab(with_added_tokens=True):
+            raise VerispecError(f"draft {draft.name} and target {target.name} have different tokenizers; "
+                                "a draft must share the target's vocabulary")
+        real = tt.vocab_size
+        if min(vt, vd) < real:
+            raise VerispecError(f"draft has {vd} and target {vt} embedding rows but the tokenizer has {real} tokens")
+    elif vt != vd:
+        raise VerispecError(f"draft vocabulary ({vd}) differs from the target's ({vt}) and there is no "
+                            "tokenizer to show the difference is only padding")

@@ -1,0 +1,78 @@
+"""Speculation metrics, defined once (README "Metrics" explains them in words).
+
+- acceptance_rate = accepted / proposed
+- mean_accepted_length τ = emitted tokens / rounds (bonus or recovered token included)
+- per_position_acceptance[i] = rounds whose draft i was accepted / rounds that proposed a draft i
+- alpha = mean over verified positions of Σ_x min(p(x), q(x)); a position is verified when its
+  prefix was the true one (every accepted draft plus the first rejected one). Greedy: p, q are
+  point masses at their argmax, so the overlap is 1 when the argmaxes agree.
+- predicted_tokens_per_round = (1 − α^{K+1}) / (1 − α)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    proposer: str
+    k: int | str
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    position_proposed: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
+    overlap_sum: float = 0.0
+    overlap_count: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    other_s: float = 0.0
+    k_histogram: dict[int, int] = field(default_factory=dict)
+
+    def record_round(self, k: int, accepted: int, emitted: int, overlaps: list[float]) -> None:
+        self.rounds += 1
+        self.proposed += k
+        self.accepted += accepted
+        self.emitted += emitted
+        self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
+        while len(self.position_proposed) < k:
+            self.position_proposed.append(0)
+            self.position_accepted.append(0)
+        for i in range(k):
+            self.position_proposed[i] += 1
+            self.position_accepted[i] += int(i < accepted)
+        self.overlap_sum += sum(overlaps)
+        self.overlap_count += len(overlaps)
+
+    @property
+    def alpha(self) -> float | None:
+        return self.overlap_sum / self.overlap_count if self.overlap_count else None
+
+    def to_dict(self) -> dict:
+        alpha = self.alpha
+        k_num = max(self.k_histogram, key=self.k_histogram.get) if self.k_histogram else 0
+        if alpha is None:
+            predicted = None
+        elif alpha >= 1.0:
+            predicted = float(k_num + 1)
+        else:
+            predicted = (1 - alpha ** (k_num + 1)) / (1 - alpha)
+        return {
+            "proposer": self.proposer,
+            "k": self.k,
+            "rounds": self.rounds,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else None,
+            "mean_accepted_length": self.emitted / self.rounds if self.rounds else None,
+            "per_position_acceptance": [a / p if p else None
+                                        for a, p in zip(self.position_accepted, self.position_proposed)],
+            "alpha": alpha,
+            "predicted_tokens_per_round": predicted,
+            "k_histogram": {str(k): v for k, v in sorted(self.k_histogram.items())},
+            "draft_s": round(self.draft_s, 6),
+            "verify_s": round(self.verify_s, 6),
+            "other_s": round(self.other_s, 6),
+        }

@@ -1,0 +1,58 @@
+"""ModelRunner: a model plus the KV cache the engine allocated for it, and ragged batched passes."""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.models import KVCache, Transformer
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, num_slots: int, max_len: int):
+        self.model = model
+        self.cache = KVCache.for_model(model.config, num_slots, max_len, model.dtype, model.device)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def length(self, slot: int) -> int:
+        return self.cache.lengths[slot]
+
+    def forward(self, slots: list[int], chunks: list[list[int]], rows: list[list[int]] | None) -> torch.Tensor | None:
+        """Feed chunks[b] at positions length(slot_b) … and return logits at rows[b] (indices into
+        the chunk), shape (B, R, V) with R = max len(rows[b]) (short rows repeat their last index).
+
+        Chunks are right-padded; padding writes only beyond each sequence's real tokens, which the
+        next pass overwrites and no real query can see. Does not move the length pointers.
+        """
+        b = len(chunks)
+        t = max(len(c) for c in chunks)
+        device = self.model.device
+        ids = torch.zeros(b, t, dtype=torch.long)
+        start = torch.tensor([self.length(s) for s in slots])
+        for i, c in enumerate(chunks):
+            ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        positions = start[:, None] + torch.arange(t)[None, :]                     # (B, T)
+        hidden = self.model(ids.to(device), positions.to(device), self.cache.view(slots, positions.to(device)))
+        if rows is None:
+            return None
+        r = max(len(x) for x in rows)
+        idx = torch.tensor([x + [x[-1]] * (r - len(x)) for x in rows], dtype=torch.long, device=device)
+        return self.model.logits(hidden, idx)                                     # (B, R, V)
+
+    def prefill(self, slots: list[int], token_lists: list[list[int]], chunk: int = 512) -> None:
+        """Write token_lists[b][:-1] into the cache (the last token stays pending), in chunks so a
+        long prompt never materialises one huge activation."""
+        todo = [(s, toks[:-1]) for s, toks in zip(slots, token_lists)]
+        for s, _ in todo:
+            self.cache.set_length(s, 0)
+        offset = 0
+        while True:
+            part = [(s, toks[offset: offset + chunk]) for s, toks in todo if len(toks) > offset]
+            if not part:
+                break
+            self.forward([s for s, _ in part], [c for _, c in part], rows=None)
+            for s, c in part:
+                self.cache.set_length(s, self.cache.lengths[s] + len(c))
+            offset += chunk

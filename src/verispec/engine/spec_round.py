@@ -1,0 +1,84 @@
+"""One speculative round for a batch of sequences (DESIGN: propose → verify → accept → commit).
+
+Plain decoding is the same round with K = 0: the verify pass then scores just the pending token.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from verispec.engine.runner import ModelRunner
+from verispec.engine.sequence import Sequence
+from verispec.proposers.base import Proposal, Proposer
+from verispec.sampling import AcceptanceResult, accept_greedy, accept_sampling, warp_probs
+
+
+def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Proposer, ks: list[int]) -> None:
+    t0 = time.perf_counter()
+
+    # 1. Propose: up to ks[b] draft tokens x̃ per sequence (ragged), with q or as point masses.
+    proposal = proposer.propose(seqs, ks)
+    num_draft = proposal.num_draft.tolist()
+    t1 = time.perf_counter()
+
+    # 2. Verify: one target pass over [pending token, x̃_0 … x̃_{k-1}]; logits only for those k+1 rows.
+    chunks, rows = [], []
+    for b, s in enumerate(seqs):
+        chunk = s.tokens[target.length(s.slot):] + proposal.tokens[b, : num_draft[b]].tolist()
+        chunks.append(chunk)
+        rows.append(list(range(len(chunk) - num_draft[b] - 1, len(chunk))))
+    logits = target.forward([s.slot for s in seqs], chunks, rows)                # (B, K+1, V)
+    t2 = time.perf_counter()
+
+    # 3. Accept: greedy rows by argmax, sampling rows by modified rejection sampling.
+    result = _accept(seqs, logits, proposal)
+
+    # 4. Commit: append emitted tokens one by one (stops cut exactly where plain decoding would),
+    #    then move the target's length pointer; rejected cache entries are simply left behind.
+    for b, s in enumerate(seqs):
+        n = int(result.num_accepted[b])
+        emitted = result.emitted(b)
+        appended = 0
+        for token in emitted:
+            appended += 1
+            if s.append(token):
+                break
+        target.cache.set_length(s.slot, len(s.tokens) - 1)
+        verified = min(n + 1, num_draft[b])
+        overlaps = result.overlap[b, :verified].tolist() if result.overlap is not None else []
+        s.metrics.record_round(num_draft[b], n, appended, overlaps)
+
+    # 5. Hear back: the proposer rolls its own state back to the committed tokens.
+    proposer.observe(seqs, result.num_accepted.tolist())
+    t3 = time.perf_counter()
+    for s in seqs:
+        s.metrics.draft_s += t1 - t0
+        s.metrics.verify_s += t2 - t1
+        s.metrics.other_s += t3 - t2
+
+
+def _accept(seqs: list[Sequence], logits: torch.Tensor, proposal: Proposal) -> AcceptanceResult:
+    b, k = proposal.tokens.shape
+    num_accepted = torch.zeros(b, dtype=torch.long)
+    tokens = torch.full((b, k + 1), -1, dtype=torch.long)
+    overlap = torch.zeros(b, k)
+    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if greedy:
+        g = torch.tensor(greedy)
+        res = accept_greedy(logits[g], proposal.tokens[g], proposal.num_draft[g])
+        num_accepted[g], tokens[g] = res.num_accepted, res.tokens
+        # Greedy p and q are point masses at their argmax: overlap = 1 where they agree.
+        overlap[g] = (proposal.tokens[g] == logits[g, :k].argmax(-1)).float()
+    if sampled:
+        idx = torch.tensor(sampled)
+        ps = [seqs[i].params for i in sampled]
+        p = warp_probs(logits[idx], torch.tensor([x.temperature for x in ps]),
+                       torch.tensor([x.top_k for x in ps]), torch.tensor([x.top_p for x in ps]))
+        q = proposal.q[idx] if proposal.q is not None else None
+        res = accept_sampling(p, proposal.tokens[idx], q, proposal.num_draft[idx],
+                              [seqs[i].generator for i in sampled])
+        num_accepted[idx], tokens[idx], overlap[idx] = res.num_accepted, res.tokens, res.overlap
+    return AcceptanceResult(num_accepted, tokens, overlap)

@@ -1,0 +1,65 @@
+"""The one proposer interface, and the registry that chooses proposers by name (DESIGN rule 4)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from verispec.engine.sequence import Sequence
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor            # (B, K) proposed tokens x̃ (padding past num_draft[b] is 0)
+    num_draft: torch.Tensor         # (B,) how many of each row are real, 0 … K
+    q: torch.Tensor | None = None   # (B, K, V) warped draft distributions the tokens were sampled from;
+                                    # None = point mass (no probabilities)
+    source: list[str] | None = None  # per row, which proposer produced it (hybrid proposers)
+
+
+class Proposer(ABC):
+    """propose for a batch → tokens (+ optional q); hear back how many were accepted; reset."""
+
+    name: str = "?"
+
+    def start(self, seqs: list["Sequence"], num_slots: int, max_len: int) -> None:
+        """A new batch of sequences begins (prefill any state of their prompts)."""
+
+    @abstractmethod
+    def propose(self, seqs: list["Sequence"], ks: list[int]) -> Proposal:
+        """Draft up to ks[b] tokens after seqs[b].tokens."""
+
+    def observe(self, seqs: list["Sequence"], num_accepted: list[int]) -> None:
+        """Hear back after the round: seqs now hold their committed tokens."""
+
+    def reset(self) -> None:
+        """Drop all per-batch state."""
+
+
+def empty_proposal(batch: int) -> Proposal:
+    return Proposal(torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long))
+
+
+REGISTRY: dict[str, Callable[..., Proposer]] = {}
+
+
+def register(name: str):
+    def wrap(factory):
+        REGISTRY[name] = factory
+        factory.name = name
+        return factory
+    return wrap
+
+
+class NoProposer(Proposer):
+    """Plain decoding: every round is a K = 0 round (one target pass per token)."""
+
+    def propose(self, seqs, ks):
+        return empty_proposal(len(seqs))
+
+
+register("none")(NoProposer)

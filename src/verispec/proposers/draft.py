@@ -1,0 +1,80 @@
+"""`draft`: a smaller model of the same vocabulary proposes K tokens autoregressively.
+
+The draft keeps its own KV cache (allocated by this proposer, as the engine's agent) with its own
+committed length per slot. Each propose first feeds whatever the draft has not yet ingested —
+normally just the pending token, or the last accepted draft plus the bonus token after a round in
+which all K were accepted — then one token per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.engine.runner import ModelRunner
+from verispec.models import Transformer
+from verispec.proposers.base import Proposal, Proposer, register
+from verispec.sampling import sample_from, warp_probs
+
+
+@register("draft")
+class DraftModelProposer(Proposer):
+    def __init__(self, draft: Transformer, target_vocab: int):
+        self.draft = draft
+        self.target_vocab = target_vocab
+        self.runner: ModelRunner | None = None
+        self.written: dict[int, int] = {}
+
+    def start(self, seqs, num_slots, max_len):
+        self.runner = ModelRunner(self.draft, num_slots, max_len)
+        self.runner.prefill([s.slot for s in seqs], [s.tokens for s in seqs])
+
+    def _align(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits (B, 1, V_d) on the target's vocabulary (padding rows beyond it never proposed)."""
+        v_d, v_t = logits.shape[-1], self.target_vocab
+        if v_d >= v_t:
+            return logits[..., :v_t]
+        pad = torch.full((*logits.shape[:-1], v_t - v_d), float("-inf"), dtype=logits.dtype)
+        return torch.cat([logits, pad], dim=-1)
+
+    def propose(self, seqs, ks):
+        assert self.runner is not None, "start() first"
+        b, k_max = len(seqs), max(ks, default=0)
+        tokens = torch.zeros(b, k_max, dtype=torch.long)
+        q = torch.zeros(b, k_max, self.target_vocab)
+        if k_max == 0:
+            return Proposal(tokens, torch.tensor(ks), q)
+        greedy = [s.params.greedy for s in seqs]
+        temp = torch.tensor([s.params.temperature if not g else 1.0 for s, g in zip(seqs, greedy)])
+        top_k = torch.tensor([s.params.top_k for s in seqs])
+        top_p = torch.tensor([s.params.top_p for s in seqs])
+        gens = [s.generator for s in seqs]
+        # Step 0 ingests what the draft has not seen; later steps feed the previous proposal.
+        chunks = [s.tokens[self.runner.length(s.slot):] for s in seqs]
+        for i in range(k_max):
+            active = [j for j in range(b) if ks[j] > i]
+            slots = [seqs[j].slot for j in active]
+            logits = self._align(self.runner.forward(slots, [chunks[j] for j in active],
+                                                     [[len(chunks[j]) - 1] for j in active]))  # (A, 1, V)
+            for j, c in zip(active, (chunks[j] for j in active)):
+                self.runner.cache.set_length(seqs[j].slot, self.runner.length(seqs[j].slot) + len(c))
+            a = torch.tensor(active)
+            probs = warp_probs(logits, temp[a], top_k[a], top_p[a])[:, 0]        # (A, V)
+            picked = sample_from(probs, [gens[j] for j in active])
+            greedy_rows = torch.tensor([greedy[j] for j in active])
+            picked = torch.where(greedy_rows, logits[:, 0].argmax(-1), picked)
+            tokens[a, i] = picked
+            q[a, i] = probs
+            chunks = [[int(tokens[j, i])] if ks[j] > i else [] for j in range(b)]
+        # The last proposal was never fed: the draft's cache now covers tokens + x̃_0 … x̃_{k-2}.
+        self.written = {s.slot: self.runner.length(s.slot) for s in seqs}
+        return Proposal(tokens, torch.tensor(ks), q)
+
+    def observe(self, seqs, num_accepted):
+        for s in seqs:
+            # Valid draft cache = what it wrote, cut back to the committed prefix (rollback by length).
+            written = self.written.get(s.slot, self.runner.length(s.slot))
+            self.runner.cache.set_length(s.slot, min(written, len(s.tokens) - 1))
+
+    def reset(self):
+        self.runner = None
+        self.written = {}

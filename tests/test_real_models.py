@@ -1,0 +1,110 @@
+"""The embedded Qwen2.5-Coder pair: our loader, tokenizer and speculation on real weights.
+
+Marked `real`: `pytest -m "not real"` skips them for a quick local run; CI runs everything.
+One loaded pair per session (conftest.real_pair); the transformers reference is loaded once here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec import LLM, SamplingParams
+from verispec.models import KVCache
+
+pytestmark = pytest.mark.real
+
+DRAFT = "qwen2.5-coder-0.5b-instruct"
+CODE_PROMPTS = [
+    "def quicksort(arr):",
+    "# Return the n-th Fibonacci number\ndef fib(n):",
+    "class Stack:\n    def __init__(self):",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_reference():
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from verispec.loaders.builtin import ensure_assembled
+
+    path = ensure_assembled(DRAFT, progress=False)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    return tok, model
+
+
+def test_logits_match_transformers_gguf_loading(real_pair, hf_reference):
+    _, draft = real_pair
+    tok, hf = hf_reference
+    ids = torch.tensor([tok.encode("def add(a, b):\n    return a + b\n\nprint(add(2, 3))")])
+    with torch.no_grad():
+        ref = hf(ids).logits
+    t = ids.shape[1]
+    cache = KVCache.for_model(draft.config, 1, t + 4, torch.float32)
+    pos = torch.arange(t)[None]
+    ours = draft.model.logits(draft.model(ids, pos, cache.view([0], pos)), pos)
+    assert (ours - ref).abs().max() < 2e-3 * ref.abs().max()
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_greedy_continuations_match_transformers(real_pair, hf_reference):
+    _, draft = real_pair
+    tok, hf = hf_reference
+    llm = LLM(draft, proposer="none")
+    for prompt in CODE_PROMPTS[:2]:
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+        assert ours == ref
+
+
+@pytest.mark.parametrize("text", [
+    "Hello, world!",
+    "def f(x):\n\treturn x**2  # squares\n",
+    "naïve café — 日本語のテキスト, emoji 🙂 and Ünïcödé",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "   leading spaces and trailing   \n\n\n",
+    "<tool_call>{\"name\": \"x\"}</tool_call><|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>",
+])
+def test_tokenizer_matches_transformers_and_round_trips(real_pair, hf_reference, text):
+    _, draft = real_pair
+    tok, _ = hf_reference
+    ours = draft.tokenizer.encode(text)
+    assert ours == tok.encode(text, add_special_tokens=False)
+    assert draft.tokenizer.decode(ours) == text
+
+
+def test_incremental_decoding_never_splits_characters(real_pair):
+    from verispec.loaders.tokenizer import IncrementalDecoder
+    _, draft = real_pair
+    text = "日本語 🙂 ünïcode"
+    dec = IncrementalDecoder(draft.tokenizer)
+    pieces = [dec.push([t]) for t in draft.tokenizer.encode(text)]
+    assert "".join(pieces) + dec.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_chat_template_and_stop_tokens(real_pair):
+    target, _ = real_pair
+    tok = target.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nhi<|im_end|>" in prompt
+    names = {tok.decode([i]) for i in tok.stop_token_ids}
+    assert {"<|im_end|>", "<|endoftext|>"} <= names
+
+
+def test_greedy_speculative_equals_plain_on_the_real_pair(real_pair):
+    target, draft = real_pair
+    params = SamplingParams(temperature=0, max_tokens=20)
+    plain = LLM(target, proposer="none").generate(CODE_PROMPTS, params)
+    spec_llm = LLM(target, draft=draft, proposer="draft", k=4)
+    batched = spec_llm.generate(CODE_PROMPTS, params)
+    for prompt, p, s in zip(CODE_PROMPTS, plain, batched):
+        assert s.token_ids == p.token_ids, prompt
+        assert spec_llm.generate([prompt], params)[0].token_ids == p.token_ids
+    assert sum(o.spec["accepted"] for o in batched) > 0
+    ngram = LLM(target, proposer="ngram", k=4).generate(CODE_PROMPTS, params)
+    assert [o.token_ids for o in ngram] == [o.token_ids for o in plain]

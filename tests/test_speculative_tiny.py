@@ -1,0 +1,109 @@
+"""End to end on tiny random-weight model pairs: speculation changes nothing but speed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec import LLM, SamplingParams
+from conftest import tiny_model
+
+PROMPTS = [[1, 5, 9, 2, 7], [3, 3], [11, 4, 8, 15, 16, 23, 42, 8, 1]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model(0, scale=1.5)
+    draft = tiny_model(1, scale=1.5, num_layers=1)
+    return target, draft
+
+
+def greedy(max_tokens=24, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def plain_outputs(target, params):
+    return [o.token_ids for o in LLM(target, proposer="none").generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 6, 8])
+def test_greedy_draft_equals_plain(pair, k):
+    target, draft = pair
+    want = plain_outputs(target, greedy())
+    got = LLM(target, draft=draft, proposer="draft", k=k).generate(PROMPTS, greedy())
+    assert [o.token_ids for o in got] == want
+    assert all(len(t) == 24 for t in want)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_ngram_equals_plain(pair, k):
+    target, _ = pair
+    want = plain_outputs(target, greedy(40))
+    got = LLM(target, proposer="ngram", k=k).generate(PROMPTS, greedy(40))
+    assert [o.token_ids for o in got] == want
+
+
+def test_draft_equal_to_target_accepts_every_proposal(pair):
+    target, _ = pair
+    for params in (greedy(), SamplingParams(temperature=0.8, max_tokens=24, seed=3)):
+        out = LLM(target, draft=target, proposer="draft", k=4).generate(PROMPTS, params)
+        for o in out:
+            assert o.spec["acceptance_rate"] == 1.0, o.spec
+            assert o.spec["alpha"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_batch_equals_each_prompt_alone_with_seeds(pair):
+    target, draft = pair
+    llm = LLM(target, draft=draft, proposer="draft", k=3)
+    params = SamplingParams(temperature=0.9, top_k=20, max_tokens=16, seed=7)
+    batch = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, batch):
+        assert llm.generate([prompt], params)[0].token_ids == out.token_ids
+
+
+def test_stop_token_and_max_tokens_cut_exactly(pair):
+    target, draft = pair
+    plain = plain_outputs(target, greedy())[0]
+    stop_at = plain[5]
+    first = plain.index(stop_at)
+    params = greedy(stop_token_ids=[stop_at])
+    for proposer, extra in (("none", {}), ("draft", {"draft": draft}), ("ngram", {})):
+        out = LLM(target, proposer=proposer, k=4, **extra).generate([PROMPTS[0]], params)[0]
+        assert out.token_ids == plain[:first] and out.finish_reason == "stop"
+        out = LLM(target, proposer=proposer, k=4, **extra).generate([PROMPTS[0]], greedy(max_tokens=7))[0]
+        assert out.token_ids == plain[:7] and out.finish_reason == "length"
+
+
+def test_sampled_first_tokens_follow_plain_sampling(pair):
+    """Distribution of the first two generated tokens: plain vs speculative (draft), 1500 samples each."""
+    from scipy import stats
+    target, draft = pair
+    params = SamplingParams(temperature=1.0, max_tokens=2, seed=0, n=1500)
+    prompt = [PROMPTS[0]]
+    plain = LLM(target, proposer="none", max_batch=1500).generate(prompt, params)
+    spec = LLM(target, draft=draft, proposer="draft", k=2, max_batch=1500).generate(prompt, params)
+    for pos in range(2):
+        a = torch.bincount(torch.tensor([o.token_ids[pos] for o in plain]), minlength=96)
+        b = torch.bincount(torch.tensor([o.token_ids[pos] for o in spec]), minlength=96)
+        keep = (a + b) >= 10
+        table = torch.stack([a[keep], b[keep]]).numpy()
+        assert stats.chi2_contingency(table).pvalue > 1e-3
+
+
+def test_bad_parameters_are_clear_errors(pair):
+    from verispec.errors import InvalidRequest, VerispecError
+    target, _ = pair
+    llm = LLM(target, proposer="none")
+    for bad in (dict(max_tokens=-1), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2)):
+        with pytest.raises(InvalidRequest):
+            SamplingParams(**bad)
+    with pytest.raises(InvalidRequest, match="context"):
+        llm.generate([[1] * 500], SamplingParams(max_tokens=100))
+    with pytest.raises(InvalidRequest, match="tokenizer"):
+        llm.generate(["text prompt"], SamplingParams())
+    with pytest.raises(InvalidRequest, match="token ids"):
+        llm.generate([[10_000]], SamplingParams())
+    with pytest.raises(VerispecError, match="proposer"):
+        LLM(target, proposer="magic")
+    with pytest.raises(VerispecError, match="vocabulary"):
+        LLM(target, draft=tiny_model(2, vocab=80), proposer="draft")
