@@ -1,0 +1,173 @@
+"""Run a prompt suite under several modes in one process, interleaved so machine drift hits all
+modes alike, and report speedup vs plain decoding measured in the same run."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from verispec.bench.costs import pass_cost, predicted_speedup
+from verispec.bench.suites import BenchPrompt
+from verispec.engine.llm import LLM
+from verispec.engine.params import SamplingParams
+from verispec.loaders.resolve import LoadedModel
+
+
+@dataclass(frozen=True)
+class Mode:
+    proposer: str        # "none" | "draft" | "ngram"
+    k: int
+
+    @property
+    def label(self) -> str:
+        return "plain" if self.proposer == "none" else f"{self.proposer} k={self.k}"
+
+
+def parse_modes(modes: list[str], ks: list[int]) -> list[Mode]:
+    out = [Mode("none", 0)]
+    for m in modes:
+        if m in ("plain", "none"):
+            continue
+        out += [Mode(m, k) for k in ks]
+    return out
+
+
+def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[BenchPrompt], modes: list[Mode],
+              temperatures: list[float], max_tokens: int, repeats: int, batch_sizes: list[int] = (1,),
+              seed: int = 0, progress: bool = True) -> dict:
+    llms = {m: LLM(target, draft=draft if m.proposer == "draft" else None, proposer=m.proposer, k=m.k)
+            for m in modes}
+    plain_llm = llms[modes[0]]
+    texts = [p.render(plain_llm) for p in prompts]
+    costs = measure_costs(target, draft, sorted({m.k for m in modes}))
+    runs = []
+    total = len(temperatures) * len(batch_sizes) * repeats * len(modes) * len(prompts)
+    done = 0
+    for temp in temperatures:
+        for bs in batch_sizes:
+            for rep in range(repeats):
+                for start in range(0, len(prompts), bs):
+                    group = list(range(start, min(start + bs, len(prompts))))
+                    for mode in modes:
+                        params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + rep)
+                        t = time.perf_counter()
+                        outs = llms[mode].generate([texts[i] for i in group], params)
+                        wall = time.perf_counter() - t
+                        for i, o in zip(group, outs):
+                            runs.append({"prompt": prompts[i].id, "category": prompts[i].category,
+                                         "mode": mode.label, "proposer": mode.proposer, "k": mode.k,
+                                         "temperature": temp, "batch_size": bs, "repeat": rep,
+                                         "wall_s": wall / len(group), "batch_wall_s": wall,
+                                         "generated_tokens": o.generated_tokens, "token_ids": o.token_ids,
+                                         "spec": o.spec})
+                        done += len(group)
+                        if progress:
+                            print(f"\r[{done}/{total}] "
+                                  f"T={temp} bs={bs} {mode.label:<12} {prompts[group[0]].id:<16}",
+                                  end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    return {"environment": environment(), "costs": costs, "runs": runs,
+            "summary": summarize(runs, modes, costs), "max_tokens": max_tokens}
+
+
+def measure_costs(target: LoadedModel, draft: LoadedModel | None, ks: list[int]) -> dict:
+    ns = sorted({1} | {k + 1 for k in ks})
+    c_p = {n: pass_cost(target.model, n) for n in ns}
+    c_q = pass_cost(draft.model, 1) if draft is not None else None
+    return {"c_p": c_p, "c_q_draft": c_q,
+            "verify_ratio": {n: c_p[n] / c_p[1] for n in ns},
+            "draft_to_target": c_q / c_p[1] if c_q else None}
+
+
+def summarize(runs: list[dict], modes: list[Mode], costs: dict) -> list[dict]:
+    """One row per (temperature, batch size, mode, category | 'all')."""
+    rows = []
+    keys = sorted({(r["temperature"], r["batch_size"]) for r in runs})
+    for temp, bs in keys:
+        sel = [r for r in runs if r["temperature"] == temp and r["batch_size"] == bs]
+        cats = sorted({r["category"] for r in sel}) + ["all"]
+        for cat in cats:
+            in_cat = [r for r in sel if cat == "all" or r["category"] == cat]
+            plain = _rate(in_cat, "plain")
+            for mode in modes:
+                mine = [r for r in in_cat if r["mode"] == mode.label]
+                if not mine:
+                    continue
+                rate = _rate(in_cat, mode.label)
+                row = {"temperature": temp, "batch_size": bs, "category": cat, "mode": mode.label,
+                       "tokens_per_s": rate, "speedup": rate / plain if plain else None}
+                if mode.proposer != "none":
+                    row |= _spec_summary(mine, mode, costs)
+                    if temp == 0:
+                        ref = {(r["prompt"], r["repeat"]): r["token_ids"] for r in in_cat if r["mode"] == "plain"}
+                        row["identical_to_plain"] = all(r["token_ids"] == ref.get((r["prompt"], r["repeat"]))
+                                                        for r in mine)
+                rows.append(row)
+    return rows
+
+
+def _rate(runs: list[dict], label: str) -> float | None:
+    """Median over repeats of (tokens / seconds) summed over the prompts of that repeat."""
+    per_repeat = {}
+    for r in runs:
+        if r["mode"] == label:
+            tok, sec = per_repeat.get(r["repeat"], (0, 0.0))
+            per_repeat[r["repeat"]] = (tok + r["generated_tokens"], sec + r["wall_s"])
+    rates = [t / s for t, s in per_repeat.values() if s > 0]
+    return statistics.median(rates) if rates else None
+
+
+def _spec_summary(runs: list[dict], mode: Mode, costs: dict) -> dict:
+    s = [r["spec"] for r in runs]
+    proposed = sum(x["proposed"] for x in s)
+    accepted = sum(x["accepted"] for x in s)
+    rounds = sum(x["rounds"] for x in s)
+    emitted = sum(r["generated_tokens"] for r in runs)
+    alphas = [(x["alpha"], x["rounds"]) for x in s if x["alpha"] is not None]
+    alpha = sum(a * w for a, w in alphas) / sum(w for _, w in alphas) if alphas else None
+    k = mode.k
+    width = max((len(x["per_position_acceptance"]) for x in s), default=0)
+    per_pos = []
+    for i in range(width):
+        vals = [(x["per_position_acceptance"][i], x["rounds"]) for x in s
+                if i < len(x["per_position_acceptance"]) and x["per_position_acceptance"][i] is not None]
+        per_pos.append(sum(v * w for v, w in vals) / sum(w for _, w in vals) if vals else None)
+    out = {"acceptance_rate": accepted / proposed if proposed else None,
+           "tau": emitted / rounds if rounds else None, "alpha": alpha,
+           "predicted_tau": None if alpha is None else (k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)),
+           "per_position_acceptance": per_pos,
+           "draft_s": sum(x["draft_s"] for x in s), "verify_s": sum(x["verify_s"] for x in s),
+           "other_s": sum(x["other_s"] for x in s)}
+    c_q = costs["c_q_draft"] if mode.proposer == "draft" else 0.0
+    if alpha is not None and (k + 1) in costs["c_p"] and c_q is not None:
+        out["predicted_speedup"] = predicted_speedup(alpha, k, c_q, costs["c_p"])
+    return out
+
+
+def environment() -> dict:
+    import verispec
+    return {"verispec": verispec.__version__, "torch": torch.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "platform": platform.platform()}
+
+
+def format_table(result: dict) -> str:
+    c = result["costs"]
+    lines = ["measured costs: " + ", ".join(f"c_p({n})={v * 1e3:.0f}ms" for n, v in c["c_p"].items())
+             + (f", c_q={c['c_q_draft'] * 1e3:.0f}ms (draft/target {c['draft_to_target']:.2f})" if c["c_q_draft"] else "")]
+    hdr = f"{'T':>4} {'bs':>3} {'category':<14} {'mode':<12} {'tok/s':>7} {'speedup':>8} {'pred':>6} {'accept':>7} {'tau':>5} {'pred_tau':>8} {'alpha':>6} {'same':>5}"
+    lines += [hdr, "-" * len(hdr)]
+    f = lambda v, fmt: (fmt % v) if isinstance(v, (int, float)) else "-"
+    for r in result["summary"]:
+        lines.append(f"{r['temperature']:>4} {r['batch_size']:>3} {r['category']:<14} {r['mode']:<12} "
+                     f"{f(r['tokens_per_s'], '%.2f'):>7} {f(r['speedup'], '%.2fx'):>8} {f(r.get('predicted_speedup'), '%.2fx'):>6} "
+                     f"{f(r.get('acceptance_rate'), '%.0f%%' if False else '%.2f'):>7} {f(r.get('tau'), '%.2f'):>5} "
+                     f"{f(r.get('predicted_tau'), '%.2f'):>8} {f(r.get('alpha'), '%.2f'):>6} "
+                     f"{str(r.get('identical_to_plain', '-')):>5}")
+    return "\n".join(lines)
