@@ -36,8 +36,9 @@ def add_model_args(p) -> None:
                    help="how drafts are proposed: draft (a small model), ngram (prompt lookup), "
                         "none (plain decoding). Default: draft with the embedded pair, else ngram")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weight and activation dtype (default float32)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int8"],
+                   help="weights and activations: float32 (reference, default), bfloat16, or int8 "
+                        "(int8 weight-only linears, float32 elsewhere)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
 
 

@@ -24,9 +24,12 @@ from verispec.loaders import builtin
 from verispec.loaders.checkpoint import build_model
 from verispec.loaders.tokenizer import TextTokenizer
 from verispec.models import Transformer
+from verispec.models.quant import quantize_linears
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+# Weight-only formats: the linears are quantized, everything else computes in the paired dtype.
+QUANTIZED = {"int8": torch.float32}
 PREPARED_VERSION = 1
 
 
@@ -44,19 +47,32 @@ class LoadedModel:
         return self.model.config
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype) -> tuple[torch.dtype, str | None]:
+    """-> (compute dtype, weight-only quantization format or None)."""
     if isinstance(dtype, torch.dtype):
-        return dtype
+        return dtype, None
+    if dtype in QUANTIZED:
+        return QUANTIZED[dtype], dtype
     try:
-        return DTYPES[dtype]
+        return DTYPES[dtype], None
     except KeyError:
-        raise VerispecError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}") from None
+        raise VerispecError(f"unknown dtype {dtype!r}; choose one of {', '.join([*DTYPES, *QUANTIZED])}") from None
 
 
 def load_model(arg: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                progress: bool = False) -> LoadedModel:
+    """Load a model argument; dtype is a compute dtype or a weight-only format ("int8")."""
+    torch_dtype, quant = parse_dtype(dtype)
+    loaded = _load_unquantized(arg, torch_dtype, device, progress)
+    if quant is not None:
+        start = time.perf_counter() - loaded.load_s
+        quantize_linears(loaded.model, quant)
+        loaded.load_s = time.perf_counter() - start
+    return loaded
+
+
+def _load_unquantized(arg: str | Path, torch_dtype: torch.dtype, device: str, progress: bool) -> LoadedModel:
     start = time.perf_counter()
-    torch_dtype = parse_dtype(dtype)
     name = str(arg)
     if name in builtin.BUILTIN_MODELS:
         path = builtin.ensure_assembled(name, progress=progress)
