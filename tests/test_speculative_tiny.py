@@ -107,3 +107,26 @@ def test_bad_parameters_are_clear_errors(pair):
         LLM(target, proposer="magic")
     with pytest.raises(VerispecError, match="vocabulary"):
         LLM(target, draft=tiny_model(2, vocab=80), proposer="draft")
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram", "hybrid"])
+def test_greedy_auto_k_equals_plain(pair, proposer):
+    target, draft = pair
+    want = plain_outputs(target, greedy(40))
+    llm = LLM(target, draft=draft if proposer != "ngram" else None, proposer=proposer, k="auto")
+    got = llm.generate(PROMPTS, greedy(40))
+    assert [o.token_ids for o in got] == want
+    assert all(sum(o.spec["k_histogram"].values()) == o.spec["rounds"] for o in got)
+
+
+def test_hybrid_uses_both_sources_and_stays_exact_when_sampling(pair):
+    target, draft = pair
+    repetitive = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]]
+    out = LLM(target, draft=draft, proposer="hybrid", k=3).generate(repetitive + PROMPTS, greedy(24))
+    sources = set().union(*(o.spec["rounds_by_source"] for o in out))
+    assert sources == {"ngram", "draft"}
+    assert [o.token_ids for o in out] == plain_outputs_for(target, repetitive + PROMPTS, greedy(24))
+
+
+def plain_outputs_for(target, prompts, params):
+    return [o.token_ids for o in LLM(target, proposer="none").generate(prompts, params)]

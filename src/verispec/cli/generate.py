@@ -33,13 +33,27 @@ def add_model_args(p) -> None:
     p.add_argument("--draft", default=None,
                    help="draft model for --proposer draft (default: the embedded 0.5B with the embedded target)")
     p.add_argument("--proposer", default=None, choices=sorted(REGISTRY),
-                   help="how drafts are proposed: draft (a small model), ngram (prompt lookup), "
-                        "none (plain decoding). Default: draft with the embedded pair, else ngram")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
+                   help="how drafts are proposed: draft (a small model), ngram (prompt lookup), hybrid "
+                        "(lookup when it matches, else the draft model), none (plain decoding). "
+                        "Default: draft with the embedded pair, else ngram")
+    p.add_argument("--k", type=parse_k, default=4,
+                   help="draft tokens per round: an integer 0 … 16, or 'auto' to choose per sequence and "
+                        "round from measured costs and acceptance (default 4)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int8"],
                    help="weights and activations: float32 (reference, default), bfloat16, or int8 "
                         "(int8 weight-only linears, float32 elsewhere)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+
+
+def parse_k(text: str) -> int | str:
+    import argparse
+
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
 def build_llm(args):

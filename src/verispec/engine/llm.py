@@ -9,6 +9,7 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
+from verispec.engine.k_policy import KPolicy
 from verispec.engine.metrics import SpecMetrics
 from verispec.engine.params import SamplingParams
 from verispec.engine.runner import ModelRunner
@@ -21,6 +22,7 @@ from verispec.models import Transformer
 from verispec.proposers import REGISTRY, Proposer
 
 Prompt = str | list[int]
+NEEDS_DRAFT = ("draft", "hybrid")
 
 
 @dataclass
@@ -52,12 +54,14 @@ class LLM:
     """
 
     def __init__(self, model: str | Transformer = DEFAULT_TARGET, draft: str | Transformer | None = None, proposer: str | None = None,
-                 k: int = 4, dtype: str = "float32", device: str = "cpu", max_batch: int = 32,
-                 progress: bool = False, ngram_n: tuple[int, int] = (3, 1)):
+                 k: int | str = 4, dtype: str = "float32", device: str = "cpu", max_batch: int = 32,
+                 progress: bool = False, ngram_n: tuple[int, int] = (3, 1), k_max: int = 8):
         if proposer is not None and proposer not in REGISTRY:
             raise VerispecError(f"unknown proposer {proposer!r}; choose one of {', '.join(sorted(REGISTRY))}")
-        if not isinstance(k, int) or not 0 <= k <= 16:
-            raise VerispecError(f"k must be an integer in 0 … 16, got {k!r}")
+        if k != "auto" and (not isinstance(k, int) or not 0 <= k <= 16):
+            raise VerispecError(f"k must be 'auto' or an integer in 0 … 16, got {k!r}")
+        if not isinstance(k_max, int) or not 1 <= k_max <= 16:
+            raise VerispecError(f"k_max must be an integer in 1 … 16, got {k_max!r}")
         if max_batch < 1:
             raise VerispecError(f"max_batch must be >= 1, got {max_batch}")
         self.target: LoadedModel = _load(model, dtype, device, progress)
@@ -65,11 +69,12 @@ class LLM:
         if proposer is None:
             proposer = "draft" if (draft is not None or str(model) == DEFAULT_TARGET) else "ngram"
         self.draft: LoadedModel | None = None
-        if proposer == "draft":
+        if proposer in NEEDS_DRAFT:
             self.draft = _load(draft if draft is not None else DEFAULT_DRAFT, dtype, device, progress)
             check_vocab_compatible(self.target, self.draft)
         self.proposer_name = proposer
         self.k = k if proposer != "none" else 0
+        self.policy = KPolicy(self.k, k_max)
         self.max_batch = max_batch
         self._ngram_n = ngram_n
         self.context_length = self.target.config.max_position_embeddings
@@ -79,6 +84,8 @@ class LLM:
         factory = REGISTRY[self.proposer_name]
         if self.proposer_name == "draft":
             return factory(self.draft.model, self.target.config.vocab_size)
+        if self.proposer_name == "hybrid":
+            return factory(self.draft.model, self.target.config.vocab_size, *self._ngram_n, k_max=self.policy.k_max)
         if self.proposer_name == "ngram":
             return factory(*self._ngram_n)
         return factory()
@@ -133,8 +140,9 @@ class LLM:
             seed = params.seed + sample if params.seed is not None else int.from_bytes(os.urandom(7), "little")
             seqs.append(Sequence(index, ids, params, torch.Generator().manual_seed(seed), slot,
                                  frozenset(stop_ids), self.tokenizer, SpecMetrics(self.proposer_name, self.k)))
-        max_len = min(max(len(s.prompt_ids) for s in seqs) + params.max_tokens + 2 * (self.k + 1) + 1,
-                      self.context_length + 2 * (self.k + 1) + 1)
+        margin = 2 * (self.policy.k_max + 1) + 1
+        max_len = min(max(len(s.prompt_ids) for s in seqs) + params.max_tokens + margin,
+                      self.context_length + margin)
         t_start = time.perf_counter()
         target = ModelRunner(self.target.model, len(seqs), max_len)
         proposer = self._make_proposer()
@@ -142,9 +150,13 @@ class LLM:
         proposer.start(seqs, len(seqs), max_len)
         first_token_at: dict[int, float] = {}
         active = list(seqs)
+        self.policy.forget()
         while active:
-            ks = [min(self.k, s.params.max_tokens - len(s.generated) - 1) for s in active]
-            speculative_round(active, target, proposer, [max(0, k) for k in ks])
+            sources = [proposer.source_for(s) for s in active]
+            ks = [self.policy.choose(s.slot, src, s.params.max_tokens - len(s.generated))
+                  for s, src in zip(active, sources)]
+            report = speculative_round(active, target, proposer, ks)
+            self._learn(active, report)
             now = time.perf_counter()
             for s in active:
                 if s.generated or s.finished:
@@ -155,6 +167,15 @@ class LLM:
         t_end = time.perf_counter()
         proposer.reset()
         return [self._output(s, t_start, first_token_at.get(s.slot, t_end), t_end) for s in seqs]
+
+    def _learn(self, seqs: list[Sequence], report) -> None:
+        """Feed measured costs and acceptance into the K policy (used by k="auto")."""
+        costs = self.policy.costs
+        costs.record_verify(report.width, report.verify_s)
+        for source, (steps, seconds) in report.steps.items():
+            costs.record_propose(source, steps, seconds)
+        for s, src, k, n in zip(seqs, report.sources, report.num_draft, report.num_accepted):
+            self.policy.observe(s.slot, src, k, n)
 
     def _output(self, s: Sequence, t_start: float, t_first: float, t_end: float) -> RequestOutput:
         n = len(s.generated)

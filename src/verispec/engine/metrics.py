@@ -30,6 +30,7 @@ class SpecMetrics:
     verify_s: float = 0.0
     other_s: float = 0.0
     k_histogram: dict[int, int] = field(default_factory=dict)
+    sources: dict[str, int] = field(default_factory=dict)   # rounds with drafts, by proposer source
 
     def record_round(self, k: int, accepted: int, emitted: int, overlaps: list[float]) -> None:
         self.rounds += 1
@@ -52,7 +53,9 @@ class SpecMetrics:
 
     def to_dict(self) -> dict:
         alpha = self.alpha
-        k_num = max(self.k_histogram, key=self.k_histogram.get) if self.k_histogram else 0
+        # The prediction uses the mean K of rounds that drafted (K varies under --k auto).
+        drafted = {k: v for k, v in self.k_histogram.items() if k > 0}
+        k_num = round(sum(k * v for k, v in drafted.items()) / sum(drafted.values())) if drafted else 0
         if alpha is None:
             predicted = None
         elif alpha >= 1.0:
@@ -72,6 +75,7 @@ class SpecMetrics:
             "alpha": alpha,
             "predicted_tokens_per_round": predicted,
             "k_histogram": {str(k): v for k, v in sorted(self.k_histogram.items())},
+            "rounds_by_source": dict(self.sources),
             "draft_s": round(self.draft_s, 6),
             "verify_s": round(self.verify_s, 6),
             "other_s": round(self.other_s, 6),

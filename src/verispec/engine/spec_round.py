@@ -6,6 +6,7 @@ Plain decoding is the same round with K = 0: the verify pass then scores just th
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -15,7 +16,17 @@ from verispec.proposers.base import Proposal, Proposer
 from verispec.sampling import AcceptanceResult, accept_greedy, accept_sampling, warp_probs
 
 
-def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Proposer, ks: list[int]) -> None:
+@dataclass
+class RoundReport:
+    num_draft: list[int]
+    num_accepted: list[int]
+    sources: list[str]
+    width: int                                  # tokens per row in the verify pass (K_max + 1)
+    verify_s: float
+    steps: dict[str, tuple[int, float]]         # proposer source -> (steps, seconds)
+
+
+def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Proposer, ks: list[int]) -> RoundReport:
     t0 = time.perf_counter()
 
     # 1. Propose: up to ks[b] draft tokens x̃ per sequence (ragged), with q or as point masses.
@@ -53,10 +64,16 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
     # 5. Hear back: the proposer rolls its own state back to the committed tokens.
     proposer.observe(seqs, result.num_accepted.tolist())
     t3 = time.perf_counter()
-    for s in seqs:
+    sources = proposal.source or [proposer.name] * len(seqs)
+    for s, src, k in zip(seqs, sources, num_draft):
         s.metrics.draft_s += t1 - t0
         s.metrics.verify_s += t2 - t1
         s.metrics.other_s += t3 - t2
+        if k:
+            s.metrics.sources[src] = s.metrics.sources.get(src, 0) + 1
+    steps = proposal.steps or {proposer.name: (max(num_draft, default=0), t1 - t0)}
+    return RoundReport(num_draft, result.num_accepted.tolist(), sources, max(num_draft, default=0) + 1,
+                       t2 - t1, steps)
 
 
 def _accept(seqs: list[Sequence], logits: torch.Tensor, proposal: Proposal) -> AcceptanceResult:

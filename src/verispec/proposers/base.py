@@ -19,12 +19,17 @@ class Proposal:
     q: torch.Tensor | None = None   # (B, K, V) warped draft distributions the tokens were sampled from;
                                     # None = point mass (no probabilities)
     source: list[str] | None = None  # per row, which proposer produced it (hybrid proposers)
+    steps: dict[str, tuple[int, float]] | None = None  # source -> (proposal steps, seconds), for the cost model
 
 
 class Proposer(ABC):
     """propose for a batch → tokens (+ optional q); hear back how many were accepted; reset."""
 
     name: str = "?"
+
+    def source_for(self, seq: "Sequence") -> str:
+        """Which proposer would draft for this sequence next (a hybrid picks per sequence)."""
+        return self.name
 
     def start(self, seqs: list["Sequence"], num_slots: int, max_len: int) -> None:
         """A new batch of sequences begins (prefill any state of their prompts)."""

@@ -38,6 +38,7 @@ class DraftModelProposer(Proposer):
 
     def propose(self, seqs, ks):
         assert self.runner is not None, "start() first"
+        self.written = {}        # only sequences drafted this round move past their committed length
         b, k_max = len(seqs), max(ks, default=0)
         tokens = torch.zeros(b, k_max, dtype=torch.long)
         q = torch.zeros(b, k_max, self.target_vocab)

@@ -1,0 +1,131 @@
+"""Choosing K per sequence and per round from measured costs and running acceptance estimates.
+
+For a proposer whose drafts are accepted at position i (given positions < i were) with rate a_i,
+K drafts emit on average E(K) = 1 + Σ_{j=1..K} Π_{i<j} a_i tokens per round (the +1 is the
+recovered or bonus token). A round costs K·c_q + c_p(K+1): c_q the proposer's cost per drafted
+token, c_p(n) one target pass over n tokens. We pick
+
+    K* = argmax_{K ∈ 0 … K_max}  E(K) / (K·c_q + c_p(K+1)),
+
+so K = 0 (plain decoding for that round) wins whenever speculation does not pay. With a constant
+rate a this is the DESIGN formula E = (1 − a^{K+1}) / (1 − a).
+
+Costs are measured on the fly (exponential moving averages of every verify pass and proposal);
+widths not yet measured are extrapolated from c_p(1) with a prior slope, optimistic enough to be
+tried once and then known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+EMA = 0.2                 # weight of a new measurement
+PRIOR_SLOPE = 0.35        # unmeasured c_p(n) ≈ c_p(m) + slope · c_p(1) · (n − m)
+PRIOR_RATE = {"draft": 0.7, "ngram": 0.5}
+PROBE_EVERY = 16          # after this many K = 0 rounds, try K = 1 once to refresh the estimate
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """E(K) = 1 + Σ_{j=1..K} Π_{i<j} rates[i]."""
+    e, prod = 1.0, 1.0
+    for i in range(k):
+        prod *= rates[i]
+        e += prod
+    return e
+
+
+def choose_k(rates: list[float], c_p, c_q: float, k_max: int) -> int:
+    """argmax over K ∈ 0 … k_max of E(K) / (K·c_q + c_p(K+1)); ties go to the smaller K."""
+    best_k, best = 0, 1.0 / c_p(1)
+    for k in range(1, min(k_max, len(rates)) + 1):
+        value = expected_tokens(rates, k) / (k * c_q + c_p(k + 1))
+        if value > best * (1 + 1e-9):
+            best_k, best = k, value
+    return best_k
+
+
+@dataclass
+class CostModel:
+    """Seconds per target pass by width, and per drafted token by proposer source."""
+
+    verify: dict[int, float] = field(default_factory=dict)
+    propose: dict[str, float] = field(default_factory=dict)
+
+    def record_verify(self, width: int, seconds: float) -> None:
+        old = self.verify.get(width)
+        self.verify[width] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def record_propose(self, source: str, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        per = seconds / tokens
+        old = self.propose.get(source)
+        self.propose[source] = per if old is None else (1 - EMA) * old + EMA * per
+
+    def c_p(self, n: int) -> float:
+        if n in self.verify:
+            return self.verify[n]
+        if not self.verify:
+            return 1.0 + PRIOR_SLOPE * (n - 1)          # unit-less prior before any measurement
+        base = self.verify.get(1, min(self.verify.values()))
+        below = [m for m in self.verify if m < n]
+        if below:
+            m = max(below)
+            return self.verify[m] + PRIOR_SLOPE * base * (n - m)
+        return base * (1 + PRIOR_SLOPE * (n - 1))
+
+    def c_q(self, source: str) -> float:
+        return self.propose.get(source, 0.0)
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Running per-position acceptance rates of one sequence for one proposer source."""
+
+    rates: list[float]
+    zero_rounds: int = 0
+
+    @classmethod
+    def prior(cls, source: str, k_max: int) -> "AcceptanceEstimate":
+        return cls([PRIOR_RATE.get(source, 0.5)] * k_max)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """Positions 0 … min(accepted, proposed−1) were reached; those < accepted were accepted."""
+        for i in range(min(accepted + 1, proposed)):
+            hit = 1.0 if i < accepted else 0.0
+            self.rates[i] = (1 - EMA) * self.rates[i] + EMA * hit
+
+
+class KPolicy:
+    """K per sequence per round: fixed, or `auto` from costs and acceptance."""
+
+    def __init__(self, k: int | str, k_max: int = 8):
+        self.auto = k == "auto"
+        self.k_fixed = 0 if self.auto else int(k)
+        self.k_max = k_max if self.auto else int(k)
+        self.costs = CostModel()
+        self.estimates: dict[tuple[int, str], AcceptanceEstimate] = {}
+
+    def choose(self, slot: int, source: str, remaining: int) -> int:
+        """K for this sequence's next round; never more drafts than tokens left to generate − 1."""
+        cap = max(0, remaining - 1)
+        if not self.auto:
+            return min(self.k_fixed, cap)
+        if source == "none":
+            return 0
+        est = self.estimates.setdefault((slot, source), AcceptanceEstimate.prior(source, self.k_max))
+        k = choose_k(est.rates, self.costs.c_p, self.costs.c_q(source), self.k_max)
+        if k == 0:
+            est.zero_rounds += 1
+            if est.zero_rounds >= PROBE_EVERY:
+                est.zero_rounds, k = 0, 1
+        return min(k, cap)
+
+    def observe(self, slot: int, source: str, proposed: int, accepted: int) -> None:
+        if self.auto and proposed > 0:
+            self.estimates.setdefault((slot, source), AcceptanceEstimate.prior(source, self.k_max)).update(
+                proposed, accepted)
+
+    def forget(self) -> None:
+        """Drop per-sequence estimates (a new batch); measured costs are kept."""
+        self.estimates.clear()

@@ -1,0 +1,73 @@
+"""`hybrid`: prompt lookup when the current suffix has a match, the draft model otherwise —
+decided per sequence and per round. Lookup rows are point masses (q = one-hot), which is exactly
+the point-mass acceptance rule, so one acceptance call serves a mixed batch."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from verispec.models import Transformer
+from verispec.proposers.base import Proposal, Proposer, register
+from verispec.proposers.draft import DraftModelProposer
+from verispec.proposers.ngram import lookup
+
+
+@register("hybrid")
+class HybridProposer(Proposer):
+    def __init__(self, draft: Transformer, target_vocab: int, n_max: int = 3, n_min: int = 1, k_max: int = 16):
+        self.draft = DraftModelProposer(draft, target_vocab)
+        self.target_vocab = target_vocab
+        self.n_max, self.n_min, self.k_max = n_max, n_min, k_max
+        self._lookups: dict[int, tuple[int, list[int]]] = {}   # slot -> (tokens seen, continuation)
+
+    def _lookup(self, seq) -> list[int]:
+        key = len(seq.tokens)
+        cached = self._lookups.get(seq.slot)
+        if cached is None or cached[0] != key:
+            cached = (key, lookup(seq.tokens, self.k_max, self.n_max, self.n_min))
+            self._lookups[seq.slot] = cached
+        return cached[1]
+
+    def source_for(self, seq) -> str:
+        return "ngram" if self._lookup(seq) else "draft"
+
+    def start(self, seqs, num_slots, max_len):
+        self.draft.start(seqs, num_slots, max_len)
+
+    def propose(self, seqs, ks):
+        t0 = time.perf_counter()
+        b = len(seqs)
+        found = [self._lookup(s)[:k] for s, k in zip(seqs, ks)]
+        sources = ["ngram" if f else "draft" for f in found]
+        t1 = time.perf_counter()
+        draft_ks = [k if src == "draft" else 0 for k, src in zip(ks, sources)]
+        from_draft = self.draft.propose(seqs, draft_ks)
+        t2 = time.perf_counter()
+        k_max = max([len(f) for f in found] + [from_draft.tokens.shape[1]])
+        tokens = torch.zeros(b, k_max, dtype=torch.long)
+        q = torch.zeros(b, k_max, self.target_vocab)
+        num = torch.zeros(b, dtype=torch.long)
+        kd = from_draft.tokens.shape[1]
+        for i, src in enumerate(sources):
+            if src == "ngram":
+                n = len(found[i])
+                tokens[i, :n] = torch.tensor(found[i], dtype=torch.long)
+                q[i, torch.arange(n), tokens[i, :n]] = 1.0          # point mass
+                num[i] = n
+            elif draft_ks[i]:
+                tokens[i, :kd] = from_draft.tokens[i]
+                q[i, :kd] = from_draft.q[i]
+                num[i] = from_draft.num_draft[i]
+        steps = {"ngram": (1, t1 - t0)}
+        if max(draft_ks, default=0):
+            steps["draft"] = (max(draft_ks), t2 - t1)
+        return Proposal(tokens, num, q, sources, steps)
+
+    def observe(self, seqs, num_accepted):
+        self.draft.observe(seqs, num_accepted)
+
+    def reset(self):
+        self.draft.reset()
+        self._lookups.clear()

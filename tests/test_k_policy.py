@@ -1,0 +1,60 @@
+"""The K policy on synthetic costs: K* = argmax E(K) / (K·c_q + c_p(K+1))."""
+
+import pytest
+
+from verispec.engine.k_policy import AcceptanceEstimate, CostModel, KPolicy, choose_k, expected_tokens
+
+
+def flat(c1: float, slope: float):
+    return lambda n: c1 * (1 + slope * (n - 1))
+
+
+def test_expected_tokens_matches_closed_form():
+    a, k = 0.7, 4
+    assert expected_tokens([a] * k, k) == pytest.approx((1 - a ** (k + 1)) / (1 - a))
+
+
+def test_useless_draft_drives_k_to_zero():
+    assert choose_k([0.05] * 8, flat(1.0, 0.3), c_q=0.3, k_max=8) == 0
+
+
+def test_draft_equal_to_target_with_cheap_steps_drives_k_to_max():
+    assert choose_k([1.0] * 8, flat(1.0, 0.05), c_q=0.05, k_max=8) == 8
+
+
+def test_cheap_lookup_with_long_matches_drives_k_up_and_poor_matches_down():
+    long_matches = choose_k([0.95] * 8, flat(1.0, 0.2), c_q=0.0, k_max=8)
+    poor_matches = choose_k([0.3] * 8, flat(1.0, 0.2), c_q=0.0, k_max=8)
+    assert long_matches >= 6 and poor_matches <= 1
+
+
+def test_expensive_verify_makes_plain_decoding_win():
+    # Verify cost grows like plain decoding itself (no parallelism): speculation never pays.
+    assert choose_k([0.9] * 8, flat(1.0, 1.0), c_q=0.2, k_max=8) == 0
+
+
+def test_cost_model_measures_and_extrapolates():
+    c = CostModel()
+    c.record_verify(1, 0.1)
+    c.record_verify(3, 0.14)
+    assert c.c_p(3) == pytest.approx(0.14)
+    assert c.c_p(5) > c.c_p(3) > c.c_p(1)
+    c.record_propose("draft", 4, 0.2)
+    assert c.c_q("draft") == pytest.approx(0.05) and c.c_q("ngram") == 0.0
+
+
+def test_acceptance_estimate_updates_reached_positions_only():
+    e = AcceptanceEstimate([0.5] * 4)
+    e.update(proposed=4, accepted=1)      # position 0 accepted, 1 rejected, 2-3 never reached
+    assert e.rates[0] > 0.5 and e.rates[1] < 0.5 and e.rates[2:] == [0.5, 0.5]
+
+
+def test_policy_probes_after_many_zero_rounds_and_caps_at_remaining():
+    p = KPolicy("auto", k_max=4)
+    p.costs.record_verify(1, 1.0)
+    for n in range(2, 6):
+        p.costs.record_verify(n, float(n))          # verify as expensive as n plain steps
+    ks = [p.choose(0, "draft", remaining=100) for _ in range(16)]
+    assert ks[:15] == [0] * 15 and ks[15] == 1
+    fixed = KPolicy(4)
+    assert fixed.choose(0, "draft", remaining=3) == 2
