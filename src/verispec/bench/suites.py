@@ -1,6 +1,7 @@
 """Prompt suites for benchmarks: the bundled default suite, or a user's JSONL file.
 
-Each record: {"id", "category", "prompt"} or {"id", "category", "messages"}.
+Each record: {"id", "category", "prompt"} or {"id", "category", "messages"}, or
+{"id", "category", "prompt_ids"} (token ids, for models without a tokenizer).
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ class BenchPrompt:
     category: str
     prompt: str | None = None
     messages: list[dict] | None = None
+    prompt_ids: list[int] | None = None
 
-    def render(self, llm) -> str:
-        """The text sent to the model: chat template for messages (and for plain prompts when the model has one)."""
+    def render(self, llm) -> str | list[int]:
+        """What is sent to the model: the chat template for messages (and for plain prompts when the
+        model has one), or the token ids as given."""
+        if self.prompt_ids is not None:
+            return self.prompt_ids
         msgs = self.messages or [{"role": "user", "content": self.prompt}]
         if llm.tokenizer is not None and llm.tokenizer.chat_template:
             return llm.chat_prompt(msgs)
@@ -45,11 +50,12 @@ def load_suite(path: str | Path | None = None, limit: int | None = None, seed: i
             continue
         try:
             rec = json.loads(line)
-            item = BenchPrompt(str(rec["id"]), str(rec.get("category", "default")), rec.get("prompt"), rec.get("messages"))
+            item = BenchPrompt(str(rec["id"]), str(rec.get("category", "default")), rec.get("prompt"),
+                               rec.get("messages"), rec.get("prompt_ids"))
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise VerispecError(f"{source}, line {n}: not a prompt record ({exc})") from None
-        if item.prompt is None and not item.messages:
-            raise VerispecError(f"{source}, line {n}: needs 'prompt' or 'messages'")
+        if item.prompt is None and not item.messages and not item.prompt_ids:
+            raise VerispecError(f"{source}, line {n}: needs 'prompt', 'messages' or 'prompt_ids'")
         prompts.append(item)
     if limit is not None and limit < len(prompts):
         prompts = sorted(random.Random(seed).sample(prompts, limit), key=prompts.index)

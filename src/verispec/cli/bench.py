@@ -33,36 +33,41 @@ def add_parser(sub) -> None:
     p.add_argument("--prompts", default=None, help="JSONL prompt file (default: the bundled suite)")
     p.add_argument("--limit", type=int, default=None, help="use a random subset of N prompts (seeded)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (default 64)")
-    p.add_argument("--modes", default="draft,ngram", help="comma-separated proposers besides plain (default draft,ngram)")
-    p.add_argument("--ks", default="4", help="comma-separated K values (default 4)")
+    p.add_argument("--modes", default="draft,ngram", help="comma-separated proposers besides plain: draft, ngram, "
+                   "hybrid (default draft,ngram); each runs at every --ks value")
+    p.add_argument("--ks", default="4", help="comma-separated K values, integers or 'auto' (default 4)")
     p.add_argument("--temperatures", default="0", help="comma-separated temperatures (default 0)")
     p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (default 1)")
     p.add_argument("--repeats", type=int, default=1, help="repeats per prompt; medians are reported (default 1)")
     p.add_argument("--json", dest="json_file", default=None, help="write every raw number to this file")
+    p.add_argument("--markdown", default=None, help="write a Markdown report (command, costs, table) to this file")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
-    from verispec.bench.run import format_table, parse_modes, run_bench
+    from verispec.bench.run import format_markdown, format_table, parse_modes, run_bench
     from verispec.bench.suites import load_suite
     from verispec.loaders.builtin import DEFAULT_DRAFT
     from verispec.loaders.resolve import load_model
 
     if args.max_tokens < 1 or args.repeats < 1 or (args.limit is not None and args.limit < 1):
         raise VerispecError("--max-tokens, --repeats and --limit must be positive")
-    ks = _ints(args.ks)
-    if any(not 1 <= k <= 16 for k in ks):
-        raise VerispecError("--ks values must be in 1 … 16")
+    ks = [k if k == "auto" else _ints(k)[0] for k in args.ks.split(",") if k]
+    if any(k != "auto" and not 1 <= k <= 16 for k in ks):
+        raise VerispecError("--ks values must be 'auto' or in 1 … 16")
     modes = parse_modes([m.strip() for m in args.modes.split(",") if m.strip()], ks)
     prompts = load_suite(args.prompts, args.limit)
     target = load_model(args.model, args.dtype, args.device, progress=True)
     draft = None
-    if any(m.proposer == "draft" for m in modes):
+    if any(m.proposer in ("draft", "hybrid") for m in modes):
         draft = load_model(args.draft or DEFAULT_DRAFT, args.dtype, args.device, progress=True)
     result = run_bench(target, draft, prompts, modes, _floats(args.temperatures), args.max_tokens,
                        args.repeats, _ints(args.batch_sizes))
     result["command"] = " ".join(sys.argv)
     print(format_table(result))
+    if args.markdown:
+        Path(args.markdown).write_text(format_markdown(result))
+        print(f"report: {args.markdown}", file=sys.stderr)
     if args.json_file:
         Path(args.json_file).write_text(json.dumps(result, indent=1))
         print(f"raw results: {args.json_file}", file=sys.stderr)

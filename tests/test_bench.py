@@ -1,0 +1,51 @@
+"""`verispec bench` machinery on a tiny random model pair and a two-prompt suite."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from verispec.bench.run import format_markdown, format_table, parse_modes, run_bench
+from verispec.bench.suites import load_suite
+from verispec.errors import VerispecError
+from verispec.loaders.resolve import LoadedModel
+from conftest import tiny_model
+
+
+def loaded(model):
+    return LoadedModel("tiny", model, None, None, 0.0, False)
+
+
+def test_bench_on_tiny_pair(tmp_path):
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text('{"id": "a", "category": "x", "prompt_ids": [1, 2, 3, 1, 2]}\n'
+                     '{"id": "b", "category": "y", "prompt_ids": [5, 6]}\n')
+    prompts = load_suite(suite)
+    modes = parse_modes(["draft", "ngram", "hybrid"], [2, "auto"])
+    result = run_bench(loaded(tiny_model(0, scale=1.5)), loaded(tiny_model(1, scale=1.5, num_layers=1)),
+                       prompts, modes, [0.0, 0.8], max_tokens=8, repeats=1, batch_sizes=[1, 2], progress=False)
+    json.dumps(result)                                            # serialisable
+    assert len(result["runs"]) == 2 * 2 * len(modes) * 2
+    rows = result["summary"]
+    assert {r["mode"] for r in rows} == {m.label for m in modes}
+    for r in rows:
+        assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
+        if r["temperature"] == 0 and r["mode"] != "plain":
+            assert r["identical_to_plain"] is True
+    assert "speedup" in format_table(result) and "| T |" in format_markdown(result)
+
+
+def test_bundled_suite_covers_categories():
+    cats = {p.category for p in load_suite()}
+    assert {"code_writing", "code_editing", "explanation", "summarisation", "chat", "maths"} <= cats
+
+
+def test_bad_suite_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "category": "x"}\nnot json\n')
+    with pytest.raises(VerispecError, match="line 1"):
+        load_suite(bad)
+    with pytest.raises(VerispecError, match="cannot read"):
+        load_suite(tmp_path / "missing.jsonl")
