@@ -10,7 +10,7 @@ from verispec.errors import VerispecError
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verispec.cli import bench, generate, models
+    from verispec.cli import bench, generate, models, verify
 
     parser = argparse.ArgumentParser(
         prog="verispec",
@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_parser(sub)
     models.add_parser(sub)
     bench.add_parser(sub)
+    verify.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
