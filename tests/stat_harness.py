@@ -90,3 +90,14 @@ def chi_square_p_values(tokens: np.ndarray, marginals: list[np.ndarray]) -> list
 def total_variation(tokens: np.ndarray, marginal: np.ndarray, t: int) -> float:
     counts = np.bincount(tokens[:, t], minlength=len(marginal)) / len(tokens)
     return 0.5 * float(np.abs(counts - marginal).sum())
+
+
+def recover_from_p(p, drafts, q, num_draft, generators):
+    """A deliberately broken acceptance rule: on rejection, resample from p instead of
+    norm(max(0, p − q)). The statistical checks must flag it."""
+    res = accept_sampling(p, drafts, q, num_draft, generators)
+    for row in range(len(drafts)):
+        j = int(res.num_accepted[row])
+        if j < int(num_draft[row]):
+            res.tokens[row, j] = torch.multinomial(p[row, j], 1, generator=generators[row])
+    return res

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import torch
-
 import verispec.engine.spec_round as spec_round
 from verispec import LLM, SamplingParams
 from verispec.certify import certify
-from verispec.sampling import accept_sampling
 from conftest import tiny_model
+from stat_harness import recover_from_p
 
 PROMPTS = [[1, 5, 9, 2, 7]]
 
@@ -26,14 +24,6 @@ def test_verify_certifies_the_real_sampler():
 
 
 def test_verify_flags_a_broken_residual(monkeypatch):
-    def recover_from_p(p, drafts, q, num_draft, generators):
-        res = accept_sampling(p, drafts, q, num_draft, generators)
-        for row in range(len(drafts)):
-            j = int(res.num_accepted[row])
-            if j < int(num_draft[row]):
-                res.tokens[row, j] = torch.multinomial(p[row, j], 1, generator=generators[row])
-        return res
-
     monkeypatch.setattr(spec_round, "accept_sampling", recover_from_p)
     spec, plain = llms()
     report = certify(spec, plain, PROMPTS, SamplingParams(temperature=1.0, seed=0), samples=3000)

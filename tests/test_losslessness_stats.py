@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stat_harness import chi_square_p_values, exact_marginals, random_tables, run_speculative, total_variation
+from stat_harness import (chi_square_p_values, exact_marginals, random_tables, recover_from_p, run_speculative,
+                          total_variation)
 from verispec.sampling import accept_sampling
-from verispec.sampling.acceptance import AcceptanceResult
 
 V, N_TOKENS, SAMPLES = 8, 4, 100_000
 
@@ -83,21 +83,11 @@ def test_point_mass_proposals_match_target(k):
 
 # --- the same check must catch real bugs -------------------------------------------------------
 
-def _recover_from_p(p, drafts, q, num_draft, generators) -> AcceptanceResult:
-    """Bug: on rejection, resample from p instead of norm(max(0, p - q))."""
-    res = accept_sampling(p, drafts, q, num_draft, generators)
-    for row in range(len(drafts)):
-        j = int(res.num_accepted[row])
-        if j < int(num_draft[row]):
-            res.tokens[row, j] = torch.multinomial(p[row, j], 1, generator=generators[row])
-    return res
-
-
 def test_broken_residual_is_detected():
     k = 2
     P = torch.softmax(random_tables(1, N_TOKENS + k + 1, V), -1)
     Q = torch.softmax(random_tables(2, N_TOKENS + k + 1, V), -1)
-    assert is_biased(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=3, accept=_recover_from_p))
+    assert is_biased(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=3, accept=recover_from_p))
 
 
 def test_unwarped_q_is_detected():
