@@ -43,3 +43,21 @@ def test_greedy_speculative_equals_plain_in_int8():
     for k in (2, 4):
         spec = LLM(target, draft=draft, proposer="draft", k=k).generate(prompts, params)
         assert [o.token_ids for o in spec] == plain
+
+
+def test_quantized_weights_are_cached_in_the_prepared_directory(tmp_path, monkeypatch):
+    from test_loader_errors import write_tiny_gguf
+    from verispec.loaders.resolve import load_model
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    first = load_model(path, dtype="int8")
+    assert list((tmp_path / "cache").rglob("model.int8.safetensors"))
+    second = load_model(path, dtype="int8")
+    assert isinstance(second.model.lm_head, Int8Linear)
+    ids = [[1, 2, 3, 4]]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    a = LLM(first.model, proposer="none").generate(ids, params)[0].token_ids
+    b = LLM(second.model, proposer="none").generate(ids, params)[0].token_ids
+    assert a == b
+    assert load_model(path, dtype="float32").model.lm_head.weight.dtype == torch.float32

@@ -60,3 +60,19 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device=device, dtype=dtype).eval()
+
+
+def build_quantized(cfg: ModelConfig, state: dict[str, torch.Tensor], quant: str,
+                    device: str | torch.device, source: object) -> Transformer:
+    """A model whose linears are already quantized, from the state dict a quantized model saved
+    (every tensor keeps the dtype it was saved in)."""
+    from verispec.models.quant import quantize_linears
+
+    with torch.device("meta"):
+        model = quantize_linears(Transformer(cfg), quant)
+    try:
+        model.load_state_dict(state, assign=True, strict=True)
+    except RuntimeError as exc:
+        raise InvalidModelFile(source, f"cached {quant} weights do not fit the model ({str(exc)[:200]})") from None
+    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+    return model.to(device).eval()

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from verispec.config import ModelConfig
 from verispec.errors import InvalidModelFile, ModelNotFound, VerispecError
 from verispec.loaders import builtin
-from verispec.loaders.checkpoint import build_model
+from verispec.loaders.checkpoint import build_model, build_quantized
 from verispec.loaders.tokenizer import TextTokenizer
 from verispec.models import Transformer
 from verispec.models.quant import quantize_linears
@@ -63,15 +63,6 @@ def load_model(arg: str | Path, dtype: str | torch.dtype = "float32", device: st
                progress: bool = False) -> LoadedModel:
     """Load a model argument; dtype is a compute dtype or a weight-only format ("int8")."""
     torch_dtype, quant = parse_dtype(dtype)
-    loaded = _load_unquantized(arg, torch_dtype, device, progress)
-    if quant is not None:
-        start = time.perf_counter() - loaded.load_s
-        quantize_linears(loaded.model, quant)
-        loaded.load_s = time.perf_counter() - start
-    return loaded
-
-
-def _load_unquantized(arg: str | Path, torch_dtype: torch.dtype, device: str, progress: bool) -> LoadedModel:
     start = time.perf_counter()
     name = str(arg)
     if name in builtin.BUILTIN_MODELS:
@@ -83,7 +74,7 @@ def _load_unquantized(arg: str | Path, torch_dtype: torch.dtype, device: str, pr
             raise ModelNotFound(f"no model {name!r}: not a file, a directory, or a built-in name "
                                 f"({', '.join(builtin.BUILTIN_MODELS)})")
         if path.is_dir():
-            model, tok = load_directory(path, torch_dtype, device)
+            model, tok = load_directory(path, torch_dtype, device, quant)
             return LoadedModel(path.name, model, tok, path, time.perf_counter() - start, False)
         stat = path.stat()
         key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -92,9 +83,25 @@ def _load_unquantized(arg: str | Path, torch_dtype: torch.dtype, device: str, pr
     cold = not (prepared / "verispec.json").is_file()
     if cold:
         model, tok = _prepare_gguf(path, prepared, torch_dtype, device, progress)
+        if quant is not None:
+            _quantize_and_cache(model, quant, prepared)
     else:
-        model, tok = load_directory(prepared, torch_dtype, device)
+        model, tok = load_directory(prepared, torch_dtype, device, quant)
     return LoadedModel(name, model, tok, path, time.perf_counter() - start, cold)
+
+
+def _quant_file(quant: str | None) -> str:
+    return f"model.{quant}.safetensors"
+
+
+def _quantize_and_cache(model: Transformer, quant: str, prepared: Path | None) -> None:
+    """Quantize in place; in a prepared directory, keep the result so later loads skip the work."""
+    quantize_linears(model, quant)
+    if prepared is not None and (prepared / "verispec.json").is_file():
+        target = prepared / _quant_file(quant)
+        tmp = target.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
+        tmp.rename(target)
 
 
 def _prepare_gguf(path: Path, prepared: Path, dtype: torch.dtype, device: str, progress: bool):
@@ -127,8 +134,10 @@ def _prepare_gguf(path: Path, prepared: Path, dtype: torch.dtype, device: str, p
     return model, text_tok
 
 
-def load_directory(directory: Path, dtype: torch.dtype, device: str) -> tuple[Transformer, TextTokenizer | None]:
-    """A prepared directory (verispec.json) or a Hugging Face directory (config.json + safetensors)."""
+def load_directory(directory: Path, dtype: torch.dtype, device: str,
+                   quant: str | None = None) -> tuple[Transformer, TextTokenizer | None]:
+    """A prepared directory (verispec.json) or a Hugging Face directory (config.json + safetensors).
+    With `quant`, a prepared directory's cached quantized weights are used when present."""
     meta_path, hf_config = directory / "verispec.json", directory / "config.json"
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
@@ -141,19 +150,29 @@ def load_directory(directory: Path, dtype: torch.dtype, device: str) -> tuple[Tr
         info = _hf_tokenizer_info(directory, json.loads(hf_config.read_text()))
     else:
         raise ModelNotFound(f"{directory} is not a model directory (no config.json)")
-    files = sorted(directory.glob("*.safetensors"))
+    tok_file = directory / "tokenizer.json"
+    tok = TextTokenizer.from_files(tok_file, info) if tok_file.is_file() else None
+    cached = directory / _quant_file(quant)
+    if quant is not None and meta_path.is_file() and cached.is_file():
+        return build_quantized(cfg, _read_safetensors([cached]), quant, device, directory), tok
+    quant_files = {_quant_file(q) for q in QUANTIZED}
+    files = [f for f in sorted(directory.glob("*.safetensors")) if f.name not in quant_files]
     if not files:
         raise InvalidModelFile(directory, "no *.safetensors weight files")
+    model = build_model(cfg, _read_safetensors(files), dtype, device, directory)
+    if quant is not None:
+        _quantize_and_cache(model, quant, directory if meta_path.is_file() else None)
+    return model, tok
+
+
+def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             state.update(load_file(str(f)))
         except Exception as exc:
             raise InvalidModelFile(f, f"cannot read safetensors ({exc})") from None
-    model = build_model(cfg, state, dtype, device, directory)
-    tok_file = directory / "tokenizer.json"
-    tok = TextTokenizer.from_files(tok_file, info) if tok_file.is_file() else None
-    return model, tok
+    return state
 
 
 def _hf_tokenizer_info(directory: Path, config: dict) -> dict:
