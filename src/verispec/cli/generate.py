@@ -34,8 +34,11 @@ def add_model_args(p) -> None:
                    help="draft model for --proposer draft (default: the embedded 0.5B with the embedded target)")
     p.add_argument("--proposer", default=None, choices=sorted(REGISTRY),
                    help="how drafts are proposed: draft (a small model), ngram (prompt lookup), hybrid "
-                        "(lookup when it matches, else the draft model), none (plain decoding). "
+                        "(lookup when it matches, else the draft model), retrieval (lookup in --corpus), "
+                        "none (plain decoding). "
                         "Default: draft with the embedded pair, else ngram")
+    p.add_argument("--corpus", action="append", default=None, metavar="PATH",
+                   help="text files or directories for --proposer retrieval (repeatable)")
     p.add_argument("--k", type=parse_k, default=4,
                    help="draft tokens per round: an integer 0 … 16, or 'auto' to choose per sequence and "
                         "round from measured costs and acceptance (default 4)")
@@ -60,7 +63,7 @@ def build_llm(args):
     from verispec import LLM
 
     return LLM(model=args.model, draft=args.draft, proposer=args.proposer, k=args.k, dtype=args.dtype,
-               device=args.device, progress=True)
+               device=args.device, progress=True, corpus=args.corpus)
 
 
 def run(args) -> int:

@@ -10,7 +10,7 @@ from verispec.errors import VerispecError
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verispec.cli import bench, generate, models, verify
+    from verispec.cli import bench, generate, models, profile, verify
 
     parser = argparse.ArgumentParser(
         prog="verispec",
@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     models.add_parser(sub)
     bench.add_parser(sub)
     verify.add_parser(sub)
+    profile.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

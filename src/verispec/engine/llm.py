@@ -55,7 +55,8 @@ class LLM:
 
     def __init__(self, model: str | Transformer = DEFAULT_TARGET, draft: str | Transformer | None = None, proposer: str | None = None,
                  k: int | str = 4, dtype: str = "float32", device: str = "cpu", max_batch: int = 32,
-                 progress: bool = False, ngram_n: tuple[int, int] = (3, 1), k_max: int = 8):
+                 progress: bool = False, ngram_n: tuple[int, int] = (3, 1), k_max: int = 8,
+                 corpus: Seq[str | os.PathLike] | Seq[list[int]] | None = None):
         if proposer is not None and proposer not in REGISTRY:
             raise VerispecError(f"unknown proposer {proposer!r}; choose one of {', '.join(sorted(REGISTRY))}")
         if k != "auto" and (not isinstance(k, int) or not 0 <= k <= 16):
@@ -73,6 +74,7 @@ class LLM:
             self.draft = _load(draft if draft is not None else DEFAULT_DRAFT, dtype, device, progress)
             check_vocab_compatible(self.target, self.draft)
         self.proposer_name = proposer
+        self.corpus_index = self._build_index(corpus) if proposer == "retrieval" else None
         self.k = k if proposer != "none" else 0
         self.policy = KPolicy(self.k, k_max)
         self.max_batch = max_batch
@@ -80,6 +82,18 @@ class LLM:
         self.context_length = self.target.config.max_position_embeddings
 
     # -- proposers ------------------------------------------------------------------------
+    def _build_index(self, corpus) -> "CorpusIndex":
+        """Corpus paths (files/directories of text) or token lists -> the retrieval index."""
+        from verispec.proposers.retrieval import CorpusIndex, read_corpus
+
+        if not corpus:
+            raise VerispecError("the retrieval proposer needs a corpus: --corpus PATH (files or directories)")
+        if all(isinstance(c, list) for c in corpus):
+            return CorpusIndex([[int(t) for t in c] for c in corpus])
+        if self.tokenizer is None:
+            raise VerispecError("a text corpus needs a model with a tokenizer; pass token lists instead")
+        return CorpusIndex([self.tokenizer.encode(text) for text in read_corpus(corpus)])
+
     def _make_proposer(self) -> Proposer:
         factory = REGISTRY[self.proposer_name]
         if self.proposer_name == "draft":
@@ -88,6 +102,8 @@ class LLM:
             return factory(self.draft.model, self.target.config.vocab_size, *self._ngram_n, k_max=self.policy.k_max)
         if self.proposer_name == "ngram":
             return factory(*self._ngram_n)
+        if self.proposer_name == "retrieval":
+            return factory(self.corpus_index)
         return factory()
 
     # -- prompts --------------------------------------------------------------------------

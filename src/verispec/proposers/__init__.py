@@ -1,4 +1,4 @@
 from verispec.proposers.base import REGISTRY, Proposal, Proposer, register
-from verispec.proposers import draft as _draft, hybrid as _hybrid, ngram as _ngram  # noqa: F401  (registration)
+from verispec.proposers import draft as _draft, hybrid as _hybrid, ngram as _ngram, retrieval as _retrieval  # noqa: F401,E501  (registration)
 
 __all__ = ["REGISTRY", "Proposal", "Proposer", "register"]

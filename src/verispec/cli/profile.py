@@ -1,0 +1,68 @@
+"""`verispec profile`: what one target pass over n tokens costs here, what a proposal step costs,
+and the speedup those costs predict for each K at a given acceptance α."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from verispec.cli.bench import _floats
+from verispec.cli.generate import add_model_args
+from verispec.errors import VerispecError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("profile", help="measure c_p(n) and c_q here and print the predicted speedup curve",
+                       description="Measure c_p(n), one target pass over n new tokens (n = 1 … --max-n), and c_q, "
+                                   "one proposal step of the draft model and of prompt lookup, then print "
+                                   "E(K)·c_p(1) / (K·c_q + c_p(K+1)) for each K and α.")
+    add_model_args(p)
+    p.add_argument("--max-n", type=int, default=16, help="largest pass width to measure (default 16)")
+    p.add_argument("--context", type=int, default=128, help="cached tokens before the measured pass (default 128)")
+    p.add_argument("--alphas", default="0.5,0.7,0.9", help="acceptance rates to predict for (default 0.5,0.7,0.9)")
+    p.add_argument("--json", dest="json_file", default=None, help="write the measurements to this file")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from verispec.bench.costs import pass_cost, predicted_speedup
+    from verispec.loaders.builtin import DEFAULT_DRAFT
+    from verispec.loaders.resolve import load_model
+    from verispec.proposers.ngram import lookup
+
+    if not 2 <= args.max_n <= 64 or args.context < 1:
+        raise VerispecError("--max-n must be in 2 … 64 and --context positive")
+    alphas = _floats(args.alphas)
+    if any(not 0 <= a <= 1 for a in alphas):
+        raise VerispecError("--alphas must lie in [0, 1]")
+    target = load_model(args.model, args.dtype, args.device, progress=True)
+    draft = load_model(args.draft or DEFAULT_DRAFT, args.dtype, args.device, progress=True)
+    c_p = {}
+    for n in range(1, args.max_n + 1):
+        c_p[n] = pass_cost(target.model, n, args.context)
+        print(f"\rmeasuring c_p({n})", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    c_q = {"draft": pass_cost(draft.model, 1, args.context)}
+    tokens = list(range(50)) * (args.context // 50 + 1)
+    t = time.perf_counter()
+    for _ in range(100):
+        lookup(tokens, 8)
+    c_q["ngram"] = (time.perf_counter() - t) / 100
+    print(f"target {target.name} ({args.dtype}), draft {draft.name}, context {args.context}")
+    print(f"{'n':>3} {'c_p(n) ms':>10} {'c_p(n)/c_p(1)':>14}")
+    for n, v in c_p.items():
+        print(f"{n:>3} {v * 1e3:>10.1f} {v / c_p[1]:>14.2f}")
+    print("c_q: " + ", ".join(f"{k} {v * 1e3:.2f} ms ({v / c_p[1]:.2f} c_p(1))" for k, v in c_q.items()))
+    curves = {}
+    for name, cq in c_q.items():
+        print(f"\npredicted speedup with {name} proposals")
+        print("  K " + "".join(f"{'α=' + str(a):>9}" for a in alphas))
+        for k in range(1, args.max_n):
+            row = [predicted_speedup(a, k, cq, c_p) for a in alphas]
+            curves.setdefault(name, {})[k] = row
+            print(f"{k:>3} " + "".join(f"{x:>8.2f}x" for x in row))
+    if args.json_file:
+        with open(args.json_file, "w") as f:
+            json.dump({"c_p": c_p, "c_q": c_q, "alphas": alphas, "predicted": curves, "dtype": args.dtype}, f, indent=1)
+    return 0
