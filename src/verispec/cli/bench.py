@@ -30,7 +30,9 @@ def add_parser(sub) -> None:
                                    "interleaved in one process, and report tokens/s, speedup vs plain "
                                    "(same run), acceptance, tau, alpha and the predicted speedup.")
     add_model_args(p)
-    p.add_argument("--prompts", default=None, help="JSONL prompt file (default: the bundled suite)")
+    p.add_argument("--prompts", default=None,
+                   help="prompt suite: a JSONL file ({id, category, prompt|messages}), 'humaneval' (164 problems) "
+                        "or 'mtbench' (80 questions; first turns); default: the bundled suite")
     p.add_argument("--limit", type=int, default=None, help="use a random subset of N prompts (seeded)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     p.add_argument("--modes", default="draft,ngram", help="comma-separated proposers besides plain: draft, ngram, "
@@ -41,6 +43,7 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1, help="repeats per prompt; medians are reported (default 1)")
     p.add_argument("--json", dest="json_file", default=None, help="write every raw number to this file")
     p.add_argument("--markdown", default=None, help="write a Markdown report (command, costs, table) to this file")
+    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots to this directory")
     p.set_defaults(run=run)
 
 
@@ -65,6 +68,10 @@ def run(args) -> int:
                        args.repeats, _ints(args.batch_sizes))
     result["command"] = " ".join(sys.argv)
     print(format_table(result))
+    if args.plot:
+        from verispec.bench.plots import write_plots
+        for path in write_plots(result, args.plot):
+            print(f"plot: {path}", file=sys.stderr)
     if args.markdown:
         Path(args.markdown).write_text(format_markdown(result))
         print(f"report: {args.markdown}", file=sys.stderr)
