@@ -17,6 +17,10 @@ from verispec.config import ModelConfig
 from verispec.models.kv_cache import CacheView
 
 
+# Passes of at most this many tokens per row (decode, verify with K <= 16) attend row by row.
+ROW_EXACT_MAX_T = 17
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -68,10 +72,24 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         keys, values = cache.update(self.layer, k, v)                         # (B, H_kv, S, D)
-        out = F.scaled_dot_product_attention(
-            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=cache.mask,
-            enable_gqa=self.n_heads != self.n_kv,
-        )                                                                     # (B, H, T, D)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        gqa = self.n_heads != self.n_kv
+        if t <= ROW_EXACT_MAX_T:
+            # Decode and verify passes: each query row attends over exactly its own prefix, with the
+            # same kernel call a one-token decode step makes. A row's result then never depends on
+            # how many rows share the pass (K+1 verify vs 1-token decode, batch vs alone).
+            # GQA without repeating keys: the G query heads sharing a KV head act as G queries.
+            g = self.n_heads // self.n_kv
+            qg = q.view(b, self.n_kv, g, t, self.head_dim).transpose(2, 3)     # (B, H_kv, T, G, D)
+            out = torch.empty_like(qg)
+            scale = self.head_dim ** -0.5
+            for i, row_positions in enumerate(cache.positions.tolist()):
+                for j, p in enumerate(row_positions):
+                    scores = torch.matmul(qg[i, :, j], keys[i, :, : p + 1].transpose(1, 2)) * scale
+                    out[i, :, j] = torch.matmul(torch.softmax(scores, dim=-1), values[i, :, : p + 1])
+            out = out.transpose(2, 3).reshape(b, self.n_heads, t, self.head_dim)
+        else:                                                                 # prefill: one masked call
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
