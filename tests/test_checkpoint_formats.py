@@ -37,7 +37,7 @@ def our_logits(model, ids):
 def test_hf_safetensors_directory(tmp_path):
     hf = hf_llama()
     hf.save_pretrained(tmp_path / "llama", safe_serialization=True)
-    m = load_model(tmp_path / "llama")
+    m = load_model(tmp_path / "llama", dtype="float32")
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
         ref = hf(ids).logits
@@ -81,7 +81,7 @@ def test_llama_gguf_permutation_is_undone(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    m = load_model(path)
+    m = load_model(path, dtype="float32")
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
         ref = hf(ids).logits

@@ -45,6 +45,8 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
     plain_llm = llms[modes[0]]
     texts = [p.render(plain_llm) for p in prompts]
     costs = measure_costs(target, draft, sorted({m.k for m in modes if isinstance(m.k, int)}))
+    for mode in modes:          # warm-up: first calls pay one-off costs that would bias the first mode
+        llms[mode].generate([texts[0]], SamplingParams(temperature=0, max_tokens=4))
     runs = []
     total = len(temperatures) * len(batch_sizes) * repeats * len(modes) * len(prompts)
     done = 0

@@ -31,20 +31,21 @@ def add_model_args(p) -> None:
     p.add_argument("--model", default=DEFAULT_TARGET,
                    help=f"target: a .gguf file, a Hugging Face directory, or a built-in name (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=None,
-                   help="draft model for --proposer draft (default: the embedded 0.5B with the embedded target)")
+                   help="draft model for --proposer draft/hybrid (default: the embedded 0.5B); giving one "
+                        "selects --proposer draft")
     p.add_argument("--proposer", default=None, choices=sorted(REGISTRY),
                    help="how drafts are proposed: draft (a small model), ngram (prompt lookup), hybrid "
                         "(lookup when it matches, else the draft model), retrieval (lookup in --corpus), "
-                        "none (plain decoding). "
-                        "Default: draft with the embedded pair, else ngram")
+                        "none (plain decoding). Default: ngram (measured fastest on CPU), or draft when "
+                        "--draft is given")
     p.add_argument("--corpus", action="append", default=None, metavar="PATH",
                    help="text files or directories for --proposer retrieval (repeatable)")
-    p.add_argument("--k", type=parse_k, default=4,
-                   help="draft tokens per round: an integer 0 … 16, or 'auto' to choose per sequence and "
-                        "round from measured costs and acceptance (default 4)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "int8"],
-                   help="weights and activations: float32 (reference, default), bfloat16, or int8 "
-                        "(int8 weight-only linears, float32 elsewhere)")
+    p.add_argument("--k", type=parse_k, default="auto",
+                   help="draft tokens per round: an integer 0 … 16, or 'auto' (default) to choose per "
+                        "sequence and round from measured costs and acceptance, 0 included")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                   help="weights: auto (default: int8 on CPU, bfloat16 on GPU), float32 (reference), "
+                        "bfloat16, or int8 (int8 weight-only linears, float32 elsewhere)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
 
 

@@ -49,12 +49,16 @@ class RequestOutput:
 class LLM:
     """A target model, an optional draft model, and a proposer chosen by name.
 
-    >>> llm = LLM()                                  # embedded 1.5B target, 0.5B draft
+    Defaults (measured best on a 2-core CPU, docs/PERFORMANCE.md): the embedded 1.5B target,
+    int8 weights on CPU (bf16 elsewhere), prompt lookup (`ngram`) with k="auto"; passing a
+    draft selects the `draft` proposer.
+
+    >>> llm = LLM()
     >>> out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
     """
 
     def __init__(self, model: str | Transformer = DEFAULT_TARGET, draft: str | Transformer | None = None, proposer: str | None = None,
-                 k: int | str = 4, dtype: str = "float32", device: str = "cpu", max_batch: int = 32,
+                 k: int | str = "auto", dtype: str = "auto", device: str = "cpu", max_batch: int = 32,
                  progress: bool = False, ngram_n: tuple[int, int] = (3, 1), k_max: int = 8,
                  corpus: Seq[str | os.PathLike] | Seq[list[int]] | None = None):
         if proposer is not None and proposer not in REGISTRY:
@@ -67,8 +71,8 @@ class LLM:
             raise VerispecError(f"max_batch must be >= 1, got {max_batch}")
         self.target: LoadedModel = _load(model, dtype, device, progress)
         self.tokenizer = self.target.tokenizer
-        if proposer is None:
-            proposer = "draft" if (draft is not None or str(model) == DEFAULT_TARGET) else "ngram"
+        if proposer is None:            # measured best on a 2-core CPU: prompt lookup with k="auto"
+            proposer = "draft" if draft is not None else "ngram"
         self.draft: LoadedModel | None = None
         if proposer in NEEDS_DRAFT:
             self.draft = _load(draft if draft is not None else DEFAULT_DRAFT, dtype, device, progress)

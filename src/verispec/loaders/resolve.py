@@ -47,6 +47,13 @@ class LoadedModel:
         return self.model.config
 
 
+def auto_dtype(dtype: str | torch.dtype, device: str) -> str | torch.dtype:
+    """"auto" -> the fastest accurate format measured for the device: int8 on CPU, bfloat16 on GPUs."""
+    if dtype != "auto":
+        return dtype
+    return "int8" if str(device) == "cpu" else "bfloat16"
+
+
 def parse_dtype(dtype: str | torch.dtype) -> tuple[torch.dtype, str | None]:
     """-> (compute dtype, weight-only quantization format or None)."""
     if isinstance(dtype, torch.dtype):
@@ -59,10 +66,10 @@ def parse_dtype(dtype: str | torch.dtype) -> tuple[torch.dtype, str | None]:
         raise VerispecError(f"unknown dtype {dtype!r}; choose one of {', '.join([*DTYPES, *QUANTIZED])}") from None
 
 
-def load_model(arg: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+def load_model(arg: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
                progress: bool = False) -> LoadedModel:
-    """Load a model argument; dtype is a compute dtype or a weight-only format ("int8")."""
-    torch_dtype, quant = parse_dtype(dtype)
+    """Load a model argument; dtype is a compute dtype, a weight-only format ("int8"), or "auto"."""
+    torch_dtype, quant = parse_dtype(auto_dtype(dtype, device))
     start = time.perf_counter()
     name = str(arg)
     if name in builtin.BUILTIN_MODELS:
