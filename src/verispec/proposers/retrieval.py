@@ -6,9 +6,10 @@ that follow it. A round looks up the sequence's last n tokens (longest n first) 
 most frequent continuation among the (latest `max_hits`) occurrences, ties to the most recent —
 the same rule as `ngram`, over text the user already has. Point-mass proposals.
 
-Why hashed n-grams: a dict lookup per n is O(1) per round and building is one pass; on this
-project's own source (≈90k tokens) the index builds in well under a second and a lookup takes
-microseconds (see docs/PERFORMANCE.md). A suffix array would save memory on very large corpora.
+Why hashed n-grams: a dict lookup per n is O(1) per round and building is one pass. Measured on
+this project's own source (src/verispec: 43 files, 41k tokens): tokenizing 0.14 s, building the
+index 0.29 s (75k entries), one lookup ~10 µs — negligible next to a 130+ ms target pass. A suffix
+array would save memory on corpora of many millions of tokens.
 """
 
 from __future__ import annotations
