@@ -60,14 +60,11 @@ class Sequence:
         return self.finished
 
     def _check_stop_strings(self) -> None:
-        for s in self.params.stop:
-            cut = self.text.find(s, max(0, len(self.text) - len(s) - 64))
-            if cut == -1 and s in self.text:
-                cut = self.text.find(s)
-            if cut != -1:
-                self.text = self.text[:cut]
-                self.finish_reason = "stop"
-                return
+        """Cut the text at the earliest stop string, which the last token may have completed."""
+        cuts = [i for i in (self.text.find(s) for s in self.params.stop) if i != -1]
+        if cuts:
+            self.text = self.text[:min(cuts)]
+            self.finish_reason = "stop"
 
     def take_stream_delta(self) -> str:
         """Text not yet streamed, holding back a tail that could still become a stop string."""
