@@ -43,10 +43,26 @@ def test_cost_model_measures_and_extrapolates():
     assert c.c_q("draft") == pytest.approx(0.05) and c.c_q("ngram") == 0.0
 
 
-def test_acceptance_estimate_updates_reached_positions_only():
+def test_acceptance_estimate_updates_reached_positions_and_extends_the_deepest():
     e = AcceptanceEstimate([0.5] * 4)
     e.update(proposed=4, accepted=1)      # position 0 accepted, 1 rejected, 2-3 never reached
-    assert e.rates[0] > 0.5 and e.rates[1] < 0.5 and e.rates[2:] == [0.5, 0.5]
+    assert e.rates[0] > 0.5 and e.rates[1] < 0.5 and e.rates[2:] == [e.rates[1]] * 2
+    e = AcceptanceEstimate([0.5] * 4)
+    for _ in range(10):
+        e.update(proposed=1, accepted=1)  # always accepted at K = 1: deeper positions look as good
+    assert e.rates[1] == e.rates[0] > 0.85
+
+
+def test_always_accepted_cheap_lookup_climbs_past_k1():
+    p = KPolicy("auto", k_max=6)
+    for n, c in ((1, 1.0), (2, 1.05), (3, 1.1), (4, 1.2), (5, 1.3), (6, 1.4), (7, 1.5)):
+        p.costs.record_verify(n, c)
+    ks = []
+    for _ in range(12):
+        k = p.choose(0, "ngram", remaining=100)
+        ks.append(k)
+        p.observe(0, "ngram", k, k)       # every proposal accepted
+    assert ks[-1] >= 4
 
 
 def test_policy_probes_after_many_zero_rounds_and_caps_at_remaining():

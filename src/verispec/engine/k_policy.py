@@ -84,16 +84,23 @@ class AcceptanceEstimate:
 
     rates: list[float]
     zero_rounds: int = 0
+    reached: int = 0          # deepest position ever verified + 1
 
     @classmethod
     def prior(cls, source: str, k_max: int) -> "AcceptanceEstimate":
         return cls([PRIOR_RATE.get(source, 0.5)] * k_max)
 
     def update(self, proposed: int, accepted: int) -> None:
-        """Positions 0 … min(accepted, proposed−1) were reached; those < accepted were accepted."""
-        for i in range(min(accepted + 1, proposed)):
+        """Positions 0 … min(accepted, proposed−1) were reached; those < accepted were accepted.
+        Positions never reached yet follow the deepest observed one, so a proposer that is always
+        accepted at K gets to try K+1 instead of being held back by the prior."""
+        depth = min(accepted + 1, proposed)
+        for i in range(depth):
             hit = 1.0 if i < accepted else 0.0
             self.rates[i] = (1 - EMA) * self.rates[i] + EMA * hit
+        self.reached = max(self.reached, depth)
+        for i in range(self.reached, len(self.rates)):
+            self.rates[i] = self.rates[self.reached - 1]
 
 
 class KPolicy:
