@@ -12,10 +12,6 @@ class ModelRunner:
         self.model = model
         self.cache = KVCache.for_model(model.config, num_slots, max_len, model.dtype, model.device)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.model.config.vocab_size
-
     def length(self, slot: int) -> int:
         return self.cache.lengths[slot]
 

@@ -7,7 +7,6 @@ cache stores the result as `tokenizer.json`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,31 +121,28 @@ class IncrementalDecoder:
     """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
 
     Byte-level BPE tokens can end inside a multi-byte character; the decoder then yields "\ufffd".
-    We hold such a tail back until the character completes.
+    We hold such a tail back until the character completes. Only a short window of recent ids is
+    decoded per push (it starts at a character boundary), so streaming stays linear in length.
     """
 
     def __init__(self, tokenizer: TextTokenizer, skip_special: bool = True):
         self.tok = tokenizer
         self.skip = skip_special
         self.ids: list[int] = []
-        self.emitted = 0   # characters of the decoded text already returned
+        self.prefix = 0      # window start: every id before it has been fully emitted
+        self.read = 0        # ids[prefix:read] decode to text already emitted
 
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        text = self.tok.decode(self.ids, skip_special=self.skip)
-        stable = len(text)
-        while stable > self.emitted and text[stable - 1] == "\ufffd":
-            stable -= 1
-        delta = text[self.emitted:stable]
-        self.emitted = stable
-        return delta
+        done = self.tok.decode(self.ids[self.prefix:self.read], skip_special=self.skip)
+        text = self.tok.decode(self.ids[self.prefix:], skip_special=self.skip)
+        if text.endswith("\ufffd") or len(text) <= len(done):
+            return ""                                  # wait for the character to complete
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(done):]
 
     def flush(self) -> str:
-        text = self.tok.decode(self.ids, skip_special=self.skip)
-        delta = text[self.emitted:]
-        self.emitted = len(text)
-        return delta
-
-
-def save_tokenizer_info(directory: Path, info: dict) -> None:
-    (directory / "tokenizer_info.json").write_text(json.dumps(info))
+        done = self.tok.decode(self.ids[self.prefix:self.read], skip_special=self.skip)
+        text = self.tok.decode(self.ids[self.prefix:], skip_special=self.skip)
+        self.prefix = self.read = len(self.ids)
+        return text[len(done):]

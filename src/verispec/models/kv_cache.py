@@ -61,6 +61,7 @@ class CacheView:
         # Contiguous slots -> plain slicing (no copy when reading); otherwise index tensors.
         self._range = slice(first, first + b) if self.slots == list(range(first, first + b)) else None
         self._rows = torch.tensor(self.slots, device=self.positions.device)
+        self.position_lists: list[list[int]] = self.positions.tolist()   # read once, not per layer
         # (B, 1, T, kv_len): query at position t sees keys at positions <= t.
         keys = torch.arange(self.kv_len, device=self.positions.device)
         self.mask = (keys[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)

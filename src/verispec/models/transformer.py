@@ -83,7 +83,7 @@ class Attention(nn.Module):
             qg = q.view(b, self.n_kv, g, t, self.head_dim).transpose(2, 3)     # (B, H_kv, T, G, D)
             out = torch.empty_like(qg)
             scale = self.head_dim ** -0.5
-            for i, row_positions in enumerate(cache.positions.tolist()):
+            for i, row_positions in enumerate(cache.position_lists):
                 for j, p in enumerate(row_positions):
                     scores = torch.matmul(qg[i, :, j], keys[i, :, : p + 1].transpose(1, 2)) * scale
                     out[i, :, j] = torch.matmul(torch.softmax(scores, dim=-1), values[i, :, : p + 1])
