@@ -167,7 +167,7 @@ class LLM:
         target = ModelRunner(self.target.model, len(seqs), max_len)
         proposer = self._make_proposer()
         target.prefill([s.slot for s in seqs], [s.tokens for s in seqs])
-        proposer.start(seqs, len(seqs), max_len)
+        proposer.start(ModelRunner.static(len(seqs), max_len))
         first_token_at: dict[int, float] = {}
         active = list(seqs)
         self.policy.forget()

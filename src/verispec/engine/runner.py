@@ -1,4 +1,5 @@
-"""ModelRunner: a model plus the KV cache the engine allocated for it, and ragged batched passes."""
+"""ModelRunner: a model plus the KV cache the engine allocated for it (static or paged), and ragged
+batched passes."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ from verispec.models import KVCache, Transformer
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, num_slots: int, max_len: int):
+    def __init__(self, model: Transformer, num_slots: int = 0, max_len: int = 0, cache=None):
         self.model = model
-        self.cache = KVCache.for_model(model.config, num_slots, max_len, model.dtype, model.device)
+        self.cache = cache if cache is not None else KVCache.for_model(
+            model.config, num_slots, max_len, model.dtype, model.device)
 
     def length(self, slot: int) -> int:
         return self.cache.lengths[slot]
+
+    @classmethod
+    def static(cls, num_slots: int, max_len: int):
+        """A factory of runners over static caches of num_slots × max_len (Proposer.start's argument)."""
+        return lambda model: cls(model, num_slots, max_len)
 
     def forward(self, slots: list[int], chunks: list[list[int]], rows: list[list[int]] | None) -> torch.Tensor | None:
         """Feed chunks[b] at positions length(slot_b) … and return logits at rows[b] (indices into
@@ -40,9 +47,13 @@ class ModelRunner:
     def prefill(self, slots: list[int], token_lists: list[list[int]], chunk: int = 512) -> None:
         """Write token_lists[b][:-1] into the cache (the last token stays pending), in chunks so a
         long prompt never materialises one huge activation."""
-        todo = [(s, toks[:-1]) for s, toks in zip(slots, token_lists)]
-        for s, _ in todo:
+        for s in slots:
             self.cache.set_length(s, 0)
+        self.extend(slots, token_lists, chunk)
+
+    def extend(self, slots: list[int], token_lists: list[list[int]], chunk: int = 512) -> None:
+        """Catch up: write token_lists[b][length(slot_b):-1], whatever each slot has not cached yet."""
+        todo = [(s, toks[self.length(s):-1]) for s, toks in zip(slots, token_lists)]
         offset = 0
         while True:
             part = [(s, toks[offset: offset + chunk]) for s, toks in todo if len(toks) > offset]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -31,8 +31,10 @@ class Proposer(ABC):
         """Which proposer would draft for this sequence next (a hybrid picks per sequence)."""
         return self.name
 
-    def start(self, seqs: list["Sequence"], num_slots: int, max_len: int) -> None:
-        """A new batch of sequences begins (prefill any state of their prompts)."""
+    def start(self, make_runner: Callable[[Any], Any]) -> None:
+        """Before the first round: make_runner(model) gives a ModelRunner over a cache the engine
+        sized (static for a batch, paged for the server). Sequences may join at any round; a
+        proposer catches up on tokens it has not seen when it first drafts for them."""
 
     @abstractmethod
     def propose(self, seqs: list["Sequence"], ks: list[int]) -> Proposal:
@@ -40,6 +42,9 @@ class Proposer(ABC):
 
     def observe(self, seqs: list["Sequence"], num_accepted: list[int]) -> None:
         """Hear back after the round: seqs now hold their committed tokens."""
+
+    def release(self, slots: list[int]) -> None:
+        """These sequences left (finished, cancelled or preempted): forget their state."""
 
     def reset(self) -> None:
         """Drop all per-batch state."""

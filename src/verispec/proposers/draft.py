@@ -1,9 +1,11 @@
 """`draft`: a smaller model of the same vocabulary proposes K tokens autoregressively.
 
-The draft keeps its own KV cache (allocated by this proposer, as the engine's agent) with its own
-committed length per slot. Each propose first feeds whatever the draft has not yet ingested —
-normally just the pending token, or the last accepted draft plus the bonus token after a round in
-which all K were accepted — then one token per step.
+The draft keeps its own KV cache (made by the engine's runner factory) with its own committed
+length per slot. The draft is filled lazily: a sequence's prompt is prefilled into the draft the
+first time a round asks it for drafts, so rounds with K = 0 cost the draft nothing. Each propose
+first catches up on what the draft has not yet ingested — normally just the pending token, or the
+last accepted draft plus the bonus token after a round in which all K were accepted — then one
+token per step.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ class DraftModelProposer(Proposer):
         self.runner: ModelRunner | None = None
         self.written: dict[int, int] = {}
 
-    def start(self, seqs, num_slots, max_len):
-        self.runner = ModelRunner(self.draft, num_slots, max_len)
-        self.runner.prefill([s.slot for s in seqs], [s.tokens for s in seqs])
+    def start(self, make_runner):
+        self.runner = make_runner(self.draft)
 
     def _align(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits (B, 1, V_d) on the target's vocabulary (padding rows beyond it never proposed)."""
@@ -49,6 +50,10 @@ class DraftModelProposer(Proposer):
         top_k = torch.tensor([s.params.top_k for s in seqs])
         top_p = torch.tensor([s.params.top_p for s in seqs])
         gens = [s.generator for s in seqs]
+        # Catch up (lazy prefill) on all but the pending token where more than a round's worth is unseen.
+        behind = [s for s, k in zip(seqs, ks) if k and len(s.tokens) - self.runner.length(s.slot) > 2]
+        if behind:
+            self.runner.extend([s.slot for s in behind], [s.tokens for s in behind])
         # Step 0 ingests what the draft has not seen; later steps feed the previous proposal.
         chunks = [s.tokens[self.runner.length(s.slot):] for s in seqs]
         for i in range(k_max):
@@ -75,6 +80,12 @@ class DraftModelProposer(Proposer):
             # Valid draft cache = what it wrote, cut back to the committed prefix (rollback by length).
             written = self.written.get(s.slot, self.runner.length(s.slot))
             self.runner.cache.set_length(s.slot, min(written, len(s.tokens) - 1))
+
+    def release(self, slots):
+        for slot in slots:
+            self.written.pop(slot, None)
+            if hasattr(self.runner.cache, "drop"):
+                self.runner.cache.drop(slot)
 
     def reset(self):
         self.runner = None

@@ -33,8 +33,8 @@ class HybridProposer(Proposer):
     def source_for(self, seq) -> str:
         return "ngram" if self._lookup(seq) else "draft"
 
-    def start(self, seqs, num_slots, max_len):
-        self.draft.start(seqs, num_slots, max_len)
+    def start(self, make_runner):
+        self.draft.start(make_runner)
 
     def propose(self, seqs, ks):
         t0 = time.perf_counter()
@@ -67,6 +67,11 @@ class HybridProposer(Proposer):
 
     def observe(self, seqs, num_accepted):
         self.draft.observe(seqs, num_accepted)
+
+    def release(self, slots):
+        self.draft.release(slots)
+        for slot in slots:
+            self._lookups.pop(slot, None)
 
     def reset(self):
         self.draft.reset()

@@ -1,0 +1,81 @@
+"""A paged KV cache: fixed-size blocks in one pool, addressed through per-sequence block tables.
+
+The same interface as `KVCache` (`lengths[slot]`, `set_length`, `view`), so runners, proposers and
+the speculative round do not know which one they use. Slots are sequence ids; the block tables are
+owned by the scheduler's block pool and shared by reference between the target's and the draft's
+caches (the draft caches a prefix of the same tokens at the same positions, so one table serves both).
+
+Block 0 is the null block: never allocated, it pads short tables in a batched gather and is always
+masked out because a query at position t only sees keys at positions <= t.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from verispec.models.kv_cache import CacheView
+
+
+class PagedKVCache:
+    """K/V storage of shape (num_layers, num_blocks, num_kv_heads, block_size, head_dim)."""
+
+    def __init__(self, config, num_blocks: int, block_size: int, block_tables: dict[int, list[int]],
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (config.num_layers, num_blocks, config.num_kv_heads, block_size, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.block_tables = block_tables          # slot -> block ids, owned by the block pool
+        self.lengths: dict[int, int] = defaultdict(int)   # slot -> committed tokens
+
+    @staticmethod
+    def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * dtype.itemsize
+
+    def capacity(self, slot: int) -> int:
+        return len(self.block_tables.get(slot, ())) * self.block_size
+
+    def set_length(self, slot: int, length: int) -> None:
+        if not 0 <= length <= self.capacity(slot):
+            raise ValueError(f"length {length} outside the {self.capacity(slot)} positions allocated to slot {slot}")
+        self.lengths[slot] = length
+
+    def drop(self, slot: int) -> None:
+        self.lengths.pop(slot, None)
+
+    def view(self, slots: list[int], positions: torch.Tensor) -> "PagedCacheView":
+        kv_len = int(positions.max()) + 1
+        for s, row in zip(slots, positions.tolist()):
+            if max(row) >= self.capacity(s):
+                raise ValueError(f"position {max(row)} of slot {s} is beyond its {self.capacity(s)} allocated positions")
+        return PagedCacheView(self, slots, positions, kv_len)
+
+
+class PagedCacheView(CacheView):
+    """`update` writes through the block tables and gathers each row's blocks into one contiguous
+    (B, H_kv, kv_len, D) tensor, which the attention code reads exactly like the static cache."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        bs = self.cache.block_size
+        num_blocks = (self.kv_len + bs - 1) // bs
+        tables = [self.cache.block_tables[s][:num_blocks] for s in self.slots]
+        padded = [t + [0] * (num_blocks - len(t)) for t in tables]
+        device = self.positions.device
+        self.tables = torch.tensor(padded, dtype=torch.long, device=device)            # (B, NB)
+        blocks = torch.gather(self.tables, 1, self.positions // bs)                    # (B, T)
+        self.write_block, self.write_offset = blocks, self.positions % bs
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kc, vc = self.cache.k[layer], self.cache.v[layer]          # (NBLK, H_kv, bs, D)
+        kc[self.write_block, :, self.write_offset] = k.transpose(1, 2).to(kc.dtype)  # (B, T, H_kv, D)
+        vc[self.write_block, :, self.write_offset] = v.transpose(1, 2).to(vc.dtype)
+        return self._gather(kc), self._gather(vc)
+
+    def _gather(self, store: torch.Tensor) -> torch.Tensor:
+        b, nb = self.tables.shape
+        _, h, bs, d = store.shape
+        blocks = store[self.tables]                                # (B, NB, H_kv, bs, D)
+        return blocks.transpose(1, 2).reshape(b, h, nb * bs, d)[:, :, : self.kv_len]
