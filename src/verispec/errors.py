@@ -27,4 +27,10 @@ class ModelNotInstalled(VerispecError):
 
 
 class InvalidRequest(VerispecError):
-    """Bad sampling parameters or prompt."""
+    """Bad sampling parameters or prompt. `param` names the offending field and `code` is a
+    machine-readable reason (the server reports both in the OpenAI error shape)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code

@@ -44,16 +44,23 @@ def choose_k(rates: list[float], c_p, c_q: float, k_max: int) -> int:
     return best_k
 
 
+def batch_bucket(batch: int) -> int:
+    """Costs are kept per power-of-two batch size (1, 2, 4, 8, …): a wide batch turns compute-bound
+    sooner, so c_p(n)/c_p(1) grows with it and K should shrink."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
 @dataclass
 class CostModel:
-    """Seconds per target pass by width, and per drafted token by proposer source."""
+    """Seconds per target pass by (batch bucket, width), and per drafted token by proposer source."""
 
-    verify: dict[int, float] = field(default_factory=dict)
+    verify: dict[tuple[int, int], float] = field(default_factory=dict)
     propose: dict[str, float] = field(default_factory=dict)
 
-    def record_verify(self, width: int, seconds: float) -> None:
-        old = self.verify.get(width)
-        self.verify[width] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+    def record_verify(self, width: int, seconds: float, batch: int = 1) -> None:
+        key = (batch_bucket(batch), width)
+        old = self.verify.get(key)
+        self.verify[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
     def record_propose(self, source: str, tokens: int, seconds: float) -> None:
         if tokens <= 0:
@@ -62,16 +69,18 @@ class CostModel:
         old = self.propose.get(source)
         self.propose[source] = per if old is None else (1 - EMA) * old + EMA * per
 
-    def c_p(self, n: int) -> float:
-        if n in self.verify:
-            return self.verify[n]
-        if not self.verify:
+    def c_p(self, n: int, batch: int = 1) -> float:
+        bucket = batch_bucket(batch)
+        if (bucket, n) in self.verify:
+            return self.verify[(bucket, n)]
+        widths = {w: c for (b, w), c in self.verify.items() if b == bucket}
+        if not widths:
             return 1.0 + PRIOR_SLOPE * (n - 1)          # unit-less prior before any measurement
-        base = self.verify.get(1, min(self.verify.values()))
-        below = [m for m in self.verify if m < n]
+        base = widths.get(1, min(widths.values()))
+        below = [m for m in widths if m < n]
         if below:
             m = max(below)
-            return self.verify[m] + PRIOR_SLOPE * base * (n - m)
+            return widths[m] + PRIOR_SLOPE * base * (n - m)
         return base * (1 + PRIOR_SLOPE * (n - 1))
 
     def c_q(self, source: str) -> float:
@@ -113,15 +122,16 @@ class KPolicy:
         self.costs = CostModel()
         self.estimates: dict[tuple[int, str], AcceptanceEstimate] = {}
 
-    def choose(self, slot: int, source: str, remaining: int) -> int:
-        """K for this sequence's next round; never more drafts than tokens left to generate − 1."""
+    def choose(self, slot: int, source: str, remaining: int, batch: int = 1) -> int:
+        """K for this sequence's next round in a round of `batch` sequences; never more drafts than
+        tokens left to generate − 1."""
         cap = max(0, remaining - 1)
         if not self.auto:
             return min(self.k_fixed, cap)
         if source == "none":
             return 0
         est = self.estimates.setdefault((slot, source), AcceptanceEstimate.prior(source, self.k_max))
-        k = choose_k(est.rates, self.costs.c_p, self.costs.c_q(source), self.k_max)
+        k = choose_k(est.rates, lambda n: self.costs.c_p(n, batch), self.costs.c_q(source), self.k_max)
         if k == 0:
             est.zero_rounds += 1
             if est.zero_rounds >= PROBE_EVERY:
@@ -132,6 +142,10 @@ class KPolicy:
         if self.auto and proposed > 0:
             self.estimates.setdefault((slot, source), AcceptanceEstimate.prior(source, self.k_max)).update(
                 proposed, accepted)
+
+    def forget_slot(self, slot: int) -> None:
+        for key in [key for key in self.estimates if key[0] == slot]:
+            del self.estimates[key]
 
     def forget(self) -> None:
         """Drop per-sequence estimates (a new batch); measured costs are kept."""

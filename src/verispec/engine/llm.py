@@ -98,7 +98,7 @@ class LLM:
             raise VerispecError("a text corpus needs a model with a tokenizer; pass token lists instead")
         return CorpusIndex([self.tokenizer.encode(text) for text in read_corpus(corpus)])
 
-    def _make_proposer(self) -> Proposer:
+    def make_proposer(self) -> Proposer:
         factory = REGISTRY[self.proposer_name]
         if self.proposer_name == "draft":
             return factory(self.draft.model, self.target.config.vocab_size)
@@ -165,7 +165,7 @@ class LLM:
                       self.context_length + margin)
         t_start = time.perf_counter()
         target = ModelRunner(self.target.model, len(seqs), max_len)
-        proposer = self._make_proposer()
+        proposer = self.make_proposer()
         target.prefill([s.slot for s in seqs], [s.tokens for s in seqs])
         proposer.start(ModelRunner.static(len(seqs), max_len))
         first_token_at: dict[int, float] = {}
@@ -173,10 +173,10 @@ class LLM:
         self.policy.forget()
         while active:
             sources = [proposer.source_for(s) for s in active]
-            ks = [self.policy.choose(s.slot, src, s.params.max_tokens - len(s.generated))
+            ks = [self.policy.choose(s.slot, src, s.params.max_tokens - len(s.generated), len(active))
                   for s, src in zip(active, sources)]
             report = speculative_round(active, target, proposer, ks)
-            self._learn(active, report)
+            self.learn(active, report)
             now = time.perf_counter()
             for s in active:
                 if s.generated or s.finished:
@@ -188,10 +188,10 @@ class LLM:
         proposer.reset()
         return [self._output(s, t_start, first_token_at.get(s.slot, t_end), t_end) for s in seqs]
 
-    def _learn(self, seqs: list[Sequence], report) -> None:
+    def learn(self, seqs: list[Sequence], report) -> None:
         """Feed measured costs and acceptance into the K policy (used by k="auto")."""
         costs = self.policy.costs
-        costs.record_verify(report.width, report.verify_s)
+        costs.record_verify(report.width, report.verify_s, len(seqs))
         for source, (steps, seconds) in report.steps.items():
             costs.record_propose(source, steps, seconds)
         for s, src, k, n in zip(seqs, report.sources, report.num_draft, report.num_accepted):

@@ -31,17 +31,17 @@ class SamplingParams:
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}", param="max_tokens")
         if not self.temperature >= 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}")
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}", param="temperature")
         if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequest(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            raise InvalidRequest(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}", param="top_k")
         if not isinstance(self.n, int) or self.n < 1:
-            raise InvalidRequest(f"n must be a positive integer, got {self.n!r}")
+            raise InvalidRequest(f"n must be a positive integer, got {self.n!r}", param="n")
         if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}")
+            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}", param="seed")
 
     @property
     def greedy(self) -> bool:
