@@ -42,3 +42,31 @@ def real_pair():
     target = load_model("qwen2.5-coder-1.5b-instruct", dtype="float32")
     draft = load_model("qwen2.5-coder-0.5b-instruct", dtype="float32")
     return target, draft
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_tokenizer():
+    """A real byte-level BPE tokenizer with no merges (256 byte tokens) and three special tokens:
+    <|im_end|> = 256 and <|endoftext|> = 257 stop generation, <|im_start|> = 258."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from verispec.loaders.tokenizer import TextTokenizer
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: ord(c))
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(byte_chars)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens([AddedToken(t, special=True, normalized=False)
+                    for t in ("<|im_end|>", "<|endoftext|>", "<|im_start|>")])
+    return TextTokenizer(tok, CHAT_TEMPLATE, [256, 257])
+
+
+def tiny_text_model(seed: int = 0):
+    """A tiny random model with the byte tokenizer, as a LoadedModel (text prompts, chat template)."""
+    from verispec.loaders.resolve import LoadedModel
+
+    return LoadedModel(f"tiny-{seed}", tiny_model(seed, vocab=260), byte_tokenizer(), None, 0.0, False)

@@ -1,4 +1,4 @@
-"""`verispec` command line: generate, models."""
+"""`verispec` command line: generate, serve, models, bench, verify, profile, loadtest."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from verispec.errors import VerispecError
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verispec.cli import bench, generate, models, profile, verify
+    from verispec.cli import bench, generate, models, profile, serve, verify
 
     parser = argparse.ArgumentParser(
         prog="verispec",
@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     generate.add_parser(sub)
+    serve.add_parser(sub)
     models.add_parser(sub)
     bench.add_parser(sub)
     verify.add_parser(sub)

@@ -174,7 +174,8 @@ class ServingEngine:
                 self._first_token[s.slot] = now
                 self.stats.ttft.append(now - e.arrival)
             self._send(e, new)
-            if s.finished:
+        for e in entries:                  # after every update went out (a request may finish whole)
+            if e.seq.finished:
                 self._leave(e)
 
     def _send(self, e: Entry, new_tokens: list[int]) -> None:
@@ -260,7 +261,8 @@ class ServingLoop:
             if kind == "add":
                 try:
                     self.engine.add(arg)
-                except InvalidRequest as err:
+                except Exception as err:           # refused (or broken) request: tell it, keep serving
+                    self.engine.abort(arg.id)
                     arg.sink(Update(arg.id, 0, "", [], finish_reason="error", error=str(err)))
             else:
                 self.engine.abort(arg)

@@ -1,0 +1,76 @@
+"""`verispec serve`: the OpenAI-compatible server (needs the `serve` extra: fastapi, uvicorn)."""
+
+from __future__ import annotations
+
+import sys
+
+from verispec.cli.generate import add_model_args
+from verispec.errors import VerispecError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="serve an OpenAI-compatible API with continuous batching and speculation",
+        description="Serve /v1/completions, /v1/chat/completions (streaming and not), /v1/models, /health "
+                    "and /metrics. Requests are batched continuously; every step is one batched "
+                    "speculative round, K chosen per sequence (0 when speculation does not pay).")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; "
+                                                       "0.0.0.0 exposes the server)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the model's name)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: no key; or set VERISPEC_API_KEY)")
+    p.add_argument("--kv-cache-mb", type=float, default=1024,
+                   help="memory for the paged KV cache of target + draft, in MiB (default 1024)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--max-running", type=int, default=16,
+                   help="most sequences decoding at once (default 16)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="most prompt tokens prefilled per step, so long prompts do not stall streams (default 256)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="queued sequences beyond which requests get HTTP 429 (default 256)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(run=run)
+
+
+def _check(args) -> None:
+    if not 0 < args.port < 65536:
+        raise VerispecError(f"--port must be in 1 … 65535, got {args.port}")
+    for name in ("kv_cache_mb", "block_size", "max_running", "prefill_chunk", "max_waiting"):
+        if getattr(args, name) <= 0:
+            raise VerispecError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+
+
+def run(args) -> int:
+    import os
+
+    _check(args)
+    try:
+        import uvicorn
+
+        from verispec.serving.api import ServerConfig, create_app
+    except ImportError as err:
+        raise VerispecError(f"verispec serve needs the serve extra ({err.name} is missing): "
+                            "pip install 'verispec[serve]'") from None
+    from verispec.cli.generate import build_llm
+    from verispec.serving.engine import ServingEngine
+
+    name = args.served_model_name or os.path.basename(str(args.model)).removesuffix(".gguf")
+    config = ServerConfig(name, api_key=args.api_key or os.environ.get("VERISPEC_API_KEY"),
+                          max_waiting=args.max_waiting)
+
+    def load() -> ServingEngine:
+        llm = build_llm(args)
+        engine = ServingEngine(llm, kv_budget_mb=args.kv_cache_mb, block_size=args.block_size,
+                               max_running=args.max_running, prefill_budget=args.prefill_chunk)
+        print(f"verispec: serving {name} on http://{args.host}:{args.port}/v1 "
+              f"(proposer {llm.proposer_name}, k={llm.k}, {engine.pool.usable} KV blocks of {args.block_size})",
+              file=sys.stderr, flush=True)
+        return engine
+
+    app = create_app(config, load)
+    print(f"verispec: loading {args.model} …", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
+    return 0
