@@ -108,3 +108,36 @@ def test_greedy_speculative_equals_plain_on_the_real_pair(real_pair):
     assert sum(o.spec["accepted"] for o in batched) > 0
     ngram = LLM(target, proposer="ngram", k=4).generate(CODE_PROMPTS, params)
     assert [o.token_ids for o in ngram] == [o.token_ids for o in plain]
+
+
+@pytest.mark.real
+def test_server_with_embedded_model_matches_generate(real_pair):
+    """The official openai client against `verispec serve` on the embedded 0.5B (as target, prompt
+    lookup): greedy chat equals LLM.generate, streaming equals non-streaming, usage is exact."""
+    openai = pytest.importorskip("openai")
+    from test_server import LiveServer
+
+    from verispec.serving.api import ServerConfig, create_app
+    from verispec.serving.engine import ServingEngine
+
+    _, draft = real_pair
+    llm = LLM(draft, proposer="ngram", k="auto")
+    live = LiveServer(create_app(ServerConfig("qwen2.5-coder-0.5b-instruct"),
+                                 lambda: ServingEngine(llm, kv_budget_mb=256)))
+    try:
+        live.wait_ready()
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+        out = client.chat.completions.create(model="qwen2.5-coder-0.5b-instruct", messages=messages,
+                                             max_tokens=24, temperature=0)
+        ref = llm.generate([llm.chat_prompt(messages)], SamplingParams(temperature=0, max_tokens=24))[0]
+        assert out.choices[0].message.content == ref.text
+        assert out.usage.completion_tokens == ref.generated_tokens
+        stream = client.chat.completions.create(model="qwen2.5-coder-0.5b-instruct", messages=messages,
+                                                max_tokens=24, temperature=0, stream=True,
+                                                stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+        assert chunks[-1].usage.completion_tokens == ref.generated_tokens
+    finally:
+        live.stop()

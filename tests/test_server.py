@@ -265,3 +265,18 @@ def test_engine_error_mid_stream_is_an_sse_error_event(server, monkeypatch):
     payload = json.loads(next(line for line in reversed(events) if line.startswith("data: {"))[6:])
     assert "simulated failure" in payload["error"]["message"]
     assert server.engine.pool.available() == server.engine.pool.usable
+
+
+def test_loadtest_counts_from_usage(server):
+    import asyncio
+
+    from verispec.errors import VerispecError
+    from verispec.serving.loadtest import check_loopback, run_level, summarize
+
+    results, wall = asyncio.run(run_level(server.url, "tiny", [[{"role": "user", "content": "hi"}]], 2, 4, 8, 60))
+    row = summarize(results, wall, 2, slo_ttft=60, slo_tpot=60)
+    assert row["ok"] == 4 and row["errors"] == 0
+    assert row["completion_tokens"] == sum(r.completion_tokens for r in results) > 0
+    assert row["ttft_s"]["median"] > 0 and row["goodput_tok_s"] == row["throughput_tok_s"]
+    with pytest.raises(VerispecError, match="only targets this machine"):
+        check_loopback("http://example.com:8000")

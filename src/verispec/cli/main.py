@@ -10,7 +10,7 @@ from verispec.errors import VerispecError
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verispec.cli import bench, generate, models, profile, serve, verify
+    from verispec.cli import bench, generate, loadtest, models, profile, serve, verify
 
     parser = argparse.ArgumentParser(
         prog="verispec",
@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     generate.add_parser(sub)
     serve.add_parser(sub)
+    loadtest.add_parser(sub)
     models.add_parser(sub)
     bench.add_parser(sub)
     verify.add_parser(sub)
