@@ -67,3 +67,31 @@ def test_public_suites(name, count, category):
     assert len(prompts) == count
     assert category in {p.category for p in prompts}
     assert len(load_suite(name, limit=5)) == 5
+
+
+def test_hf_peer_runs_in_the_same_bench(tmp_path):
+    """--peer hf on tiny Llama checkpoints: transformers' plain, assisted and lookup generate() run
+    interleaved with verispec's modes; greedy peers must reproduce verispec's plain output."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from verispec.bench.peers import hf_peers
+    from verispec.loaders.resolve import load_model
+
+    for name, seed in (("target", 0), ("draft", 1)):
+        torch.manual_seed(seed)
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                       rms_norm_eps=1e-6, tie_word_embeddings=False)
+        transformers.LlamaForCausalLM(cfg).float().eval().save_pretrained(tmp_path / name)
+    target, draft = load_model(tmp_path / "target", "float32"), load_model(tmp_path / "draft", "float32")
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text('{"id": "a", "category": "x", "prompt_ids": [1, 2, 3, 1, 2]}\n')
+    peers = hf_peers(target, draft, stop_ids=[63])
+    result = run_bench(target, draft, load_suite(suite), parse_modes(["ngram"], [2]), [0.0], max_tokens=6,
+                       repeats=1, progress=False, peers=peers)
+    rows = {r["mode"]: r for r in result["summary"] if r["category"] == "all"}
+    assert {"hf plain", "hf assisted", "hf lookup"} <= set(rows)
+    for label in ("hf plain", "hf assisted", "hf lookup"):
+        assert rows[label]["identical_to_plain"] is True and rows[label]["speedup"] > 0
+    assert "hf lookup" in format_markdown(result)

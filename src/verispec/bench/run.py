@@ -39,7 +39,8 @@ def parse_modes(modes: list[str], ks: list[int | str]) -> list[Mode]:
 
 def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[BenchPrompt], modes: list[Mode],
               temperatures: list[float], max_tokens: int, repeats: int, batch_sizes: list[int] = (1,),
-              seed: int = 0, progress: bool = True) -> dict:
+              seed: int = 0, progress: bool = True, peers: list | None = None) -> dict:
+    """peers: HFPeer-like modes (bench/peers.py) run on the same prompts, interleaved, batch size 1."""
     llms = {m: LLM(target, draft=draft if m.proposer in ("draft", "hybrid") else None, proposer=m.proposer, k=m.k)
             for m in modes}
     plain_llm = llms[modes[0]]
@@ -47,8 +48,12 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
     costs = measure_costs(target, draft, sorted({m.k for m in modes if isinstance(m.k, int)}))
     for mode in modes:          # warm-up: first calls pay one-off costs that would bias the first mode
         llms[mode].generate([texts[0]], SamplingParams(temperature=0, max_tokens=4))
+    peers = peers or []
+    prompt_ids = [plain_llm.encode(t) for t in texts]
+    for peer in peers:
+        peer.generate([prompt_ids[0]], 0.0, 4, seed)
     runs = []
-    total = len(temperatures) * len(batch_sizes) * repeats * len(modes) * len(prompts)
+    total = len(temperatures) * len(batch_sizes) * repeats * (len(modes) + len(peers)) * len(prompts)
     done = 0
     for temp in temperatures:
         for bs in batch_sizes:
@@ -68,14 +73,27 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
                                          "generated_tokens": o.generated_tokens, "token_ids": o.token_ids,
                                          "spec": o.spec})
                         done += len(group)
-                        if progress:
-                            print(f"\r[{done}/{total}] "
-                                  f"T={temp} bs={bs} {mode.label:<12} {prompts[group[0]].id:<16}",
-                                  end="", file=sys.stderr, flush=True)
+                        _progress(progress, done, total, temp, bs, mode.label, prompts[group[0]].id)
+                    for peer in peers:
+                        for i in group:
+                            t = time.perf_counter()
+                            o = peer.generate([prompt_ids[i]], temp, max_tokens, seed + rep)[0]
+                            runs.append({"prompt": prompts[i].id, "category": prompts[i].category,
+                                         "mode": peer.label, "proposer": "peer", "k": 0, "temperature": temp,
+                                         "batch_size": bs, "repeat": rep, "wall_s": time.perf_counter() - t,
+                                         "generated_tokens": o["generated_tokens"], "token_ids": o["token_ids"],
+                                         "spec": None})
+                            done += 1
+                            _progress(progress, done, total, temp, bs, peer.label, prompts[i].id)
     if progress:
         print(file=sys.stderr)
     return {"environment": environment(), "costs": costs, "runs": runs,
-            "summary": summarize(runs, modes, costs), "max_tokens": max_tokens}
+            "summary": summarize(runs, modes + peers, costs), "max_tokens": max_tokens}
+
+
+def _progress(show: bool, done: int, total: int, temp: float, bs: int, label: str, prompt: str) -> None:
+    if show:
+        print(f"\r[{done}/{total}] T={temp} bs={bs} {label:<14} {prompt:<16}", end="", file=sys.stderr, flush=True)
 
 
 def measure_costs(target: LoadedModel, draft: LoadedModel | None, ks: list[int]) -> dict:
@@ -104,12 +122,12 @@ def summarize(runs: list[dict], modes: list[Mode], costs: dict) -> list[dict]:
                 rate = _rate(in_cat, mode.label)
                 row = {"temperature": temp, "batch_size": bs, "category": cat, "mode": mode.label,
                        "tokens_per_s": rate, "speedup": rate / plain if plain else None}
-                if mode.proposer != "none":
+                if mode.proposer not in ("none", "peer"):
                     row |= _spec_summary(mine, mode, costs)
-                    if temp == 0:
-                        ref = {(r["prompt"], r["repeat"]): r["token_ids"] for r in in_cat if r["mode"] == "plain"}
-                        row["identical_to_plain"] = all(r["token_ids"] == ref.get((r["prompt"], r["repeat"]))
-                                                        for r in mine)
+                if mode.proposer != "none" and temp == 0:
+                    ref = {(r["prompt"], r["repeat"]): r["token_ids"] for r in in_cat if r["mode"] == "plain"}
+                    row["identical_to_plain"] = all(r["token_ids"] == ref.get((r["prompt"], r["repeat"]))
+                                                    for r in mine)
                 rows.append(row)
     return rows
 

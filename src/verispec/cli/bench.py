@@ -44,6 +44,10 @@ def add_parser(sub) -> None:
     p.add_argument("--json", dest="json_file", default=None, help="write every raw number to this file")
     p.add_argument("--markdown", default=None, help="write a Markdown report (command, costs, table) to this file")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots to this directory")
+    p.add_argument("--peer", choices=["hf"], action="append", default=[],
+                   help="also run a peer on the same prompts in the same run: 'hf' = transformers generate() "
+                        "plain, with the draft as assistant_model, and with prompt lookup (float32; needs "
+                        "transformers + accelerate)")
     p.set_defaults(run=run)
 
 
@@ -64,8 +68,16 @@ def run(args) -> int:
     draft = None
     if any(m.proposer in ("draft", "hybrid") for m in modes):
         draft = load_model(args.draft or DEFAULT_DRAFT, args.dtype, args.device, progress=True)
+    peers = []
+    if "hf" in args.peer:
+        from verispec.bench.peers import hf_peers
+
+        if draft is None:
+            draft = load_model(args.draft or DEFAULT_DRAFT, args.dtype, args.device, progress=True)
+        print("loading the transformers peer (float32) …", file=sys.stderr, flush=True)
+        peers = hf_peers(target, draft, target.tokenizer.stop_token_ids if target.tokenizer else [0])
     result = run_bench(target, draft, prompts, modes, _floats(args.temperatures), args.max_tokens,
-                       args.repeats, _ints(args.batch_sizes))
+                       args.repeats, _ints(args.batch_sizes), peers=peers)
     result["command"] = " ".join(sys.argv)
     print(format_table(result))
     if args.plot:

@@ -1,0 +1,75 @@
+"""Peers measured in the same bench run: Hugging Face transformers `generate()` on the same weights.
+
+Three modes, as users run them: plain greedy/sampled `generate`, assisted generation with the draft
+as `assistant_model`, and prompt lookup (`prompt_lookup_num_tokens`). transformers loads the same
+GGUF file (dequantized to float32: its own CPU default), so compare it with verispec's float32
+modes for the engine, and with the default int8 for what a user gets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verispec.errors import VerispecError
+from verispec.loaders.resolve import LoadedModel
+
+HF_MODES = ("plain", "assisted", "lookup")
+LOOKUP_TOKENS = 10          # transformers' documented example value
+
+
+def _load_hf(model: LoadedModel):
+    try:
+        import transformers
+    except ImportError:
+        raise VerispecError("--peer hf needs transformers and accelerate: pip install 'verispec[test]'") from None
+    src = Path(model.source)
+    if src.suffix == ".gguf":
+        return transformers.AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
+                                                                 dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+
+
+@dataclass
+class HFPeer:
+    """One transformers mode; `generate` mirrors LLM.generate's output for the bench."""
+
+    kind: str                      # plain | assisted | lookup
+    model: object
+    assistant: object | None
+    stop_ids: list[int]
+    proposer: str = "peer"
+    k: int | str = 0
+
+    @property
+    def label(self) -> str:
+        return f"hf {self.kind}"
+
+    def generate(self, prompt_ids: list[list[int]], temperature: float, max_tokens: int, seed: int) -> list[dict]:
+        outs = []
+        for ids in prompt_ids:                   # transformers' assisted modes take one prompt at a time
+            torch.manual_seed(seed)
+            kw = dict(max_new_tokens=max_tokens, eos_token_id=self.stop_ids, pad_token_id=self.stop_ids[0],
+                      do_sample=temperature > 0)
+            if temperature > 0:
+                kw |= dict(temperature=temperature, top_k=0, top_p=1.0)
+            if self.kind == "assisted":
+                kw["assistant_model"] = self.assistant
+            elif self.kind == "lookup":
+                kw["prompt_lookup_num_tokens"] = LOOKUP_TOKENS
+            with torch.inference_mode():
+                out = self.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                          **kw)
+            new = out[0, len(ids):].tolist()
+            cut = next((i for i, t in enumerate(new) if t in self.stop_ids), len(new))
+            outs.append({"token_ids": new[:cut], "generated_tokens": cut})
+        return outs
+
+
+def hf_peers(target: LoadedModel, draft: LoadedModel | None, stop_ids: list[int]) -> list[HFPeer]:
+    model = _load_hf(target)
+    assistant = _load_hf(draft) if draft is not None else None
+    kinds = [k for k in HF_MODES if k != "assisted" or assistant is not None]
+    return [HFPeer(k, model, assistant, stop_ids) for k in kinds]
