@@ -39,8 +39,9 @@ def parse_modes(modes: list[str], ks: list[int | str]) -> list[Mode]:
 
 def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[BenchPrompt], modes: list[Mode],
               temperatures: list[float], max_tokens: int, repeats: int, batch_sizes: list[int] = (1,),
-              seed: int = 0, progress: bool = True, peers: list | None = None) -> dict:
-    """peers: HFPeer-like modes (bench/peers.py) run on the same prompts, interleaved, batch size 1."""
+              seed: int = 0, progress=True, peers: list | None = None) -> dict:
+    """peers: HFPeer-like modes (bench/peers.py) run on the same prompts, interleaved, batch size 1.
+    progress: True (a line on stderr), False, or a callable (done, total, description)."""
     llms = {m: LLM(target, draft=draft if m.proposer in ("draft", "hybrid") else None, proposer=m.proposer, k=m.k)
             for m in modes}
     plain_llm = llms[modes[0]]
@@ -85,14 +86,16 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
                                          "spec": None})
                             done += 1
                             _progress(progress, done, total, temp, bs, peer.label, prompts[i].id)
-    if progress:
+    if progress is True:
         print(file=sys.stderr)
     return {"environment": environment(), "costs": costs, "runs": runs,
             "summary": summarize(runs, modes + peers, costs), "max_tokens": max_tokens}
 
 
-def _progress(show: bool, done: int, total: int, temp: float, bs: int, label: str, prompt: str) -> None:
-    if show:
+def _progress(show, done: int, total: int, temp: float, bs: int, label: str, prompt: str) -> None:
+    if callable(show):
+        show(done, total, f"T={temp} bs={bs} {label} {prompt}")
+    elif show:
         print(f"\r[{done}/{total}] T={temp} bs={bs} {label:<14} {prompt:<16}", end="", file=sys.stderr, flush=True)
 
 

@@ -52,7 +52,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from verispec.bench.run import format_markdown, format_table, parse_modes, run_bench
+    from verispec.bench.console import print_summary, progress_bar
+    from verispec.bench.run import format_markdown, parse_modes, run_bench
     from verispec.bench.suites import load_suite
     from verispec.loaders.builtin import DEFAULT_DRAFT
     from verispec.loaders.resolve import load_model
@@ -76,10 +77,11 @@ def run(args) -> int:
             draft = load_model(args.draft or DEFAULT_DRAFT, args.dtype, args.device, progress=True)
         print("loading the transformers peer (float32) …", file=sys.stderr, flush=True)
         peers = hf_peers(target, draft, target.tokenizer.stop_token_ids if target.tokenizer else [0])
-    result = run_bench(target, draft, prompts, modes, _floats(args.temperatures), args.max_tokens,
-                       args.repeats, _ints(args.batch_sizes), peers=peers)
+    with progress_bar() as progress:
+        result = run_bench(target, draft, prompts, modes, _floats(args.temperatures), args.max_tokens,
+                           args.repeats, _ints(args.batch_sizes), peers=peers, progress=progress)
     result["command"] = " ".join(sys.argv)
-    print(format_table(result))
+    print_summary(result)
     if args.plot:
         from verispec.bench.plots import write_plots
         for path in write_plots(result, args.plot):
