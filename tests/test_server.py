@@ -280,3 +280,50 @@ def test_loadtest_counts_from_usage(server):
     assert row["ttft_s"]["median"] > 0 and row["goodput_tok_s"] == row["throughput_tok_s"]
     with pytest.raises(VerispecError, match="only targets this machine"):
         check_loopback("http://example.com:8000")
+
+
+def test_cli_serve_drains_on_sigterm(tmp_path):
+    """`verispec serve` as a process on a saved checkpoint: a stream in flight when SIGTERM arrives
+    still completes with [DONE], then the process exits cleanly."""
+    import signal
+    import subprocess
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   rms_norm_eps=1e-6, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).float().eval().save_pretrained(tmp_path / "m")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "verispec.cli.main", "serve", "--model", str(tmp_path / "m"),
+                             "--dtype", "float32", "--port", str(port), "--proposer", "ngram"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline
+            time.sleep(0.2)
+        lines = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"prompt": [1, 2, 3], "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
+            for line in r.iter_lines():
+                if line and not lines:
+                    proc.send_signal(signal.SIGTERM)         # mid-stream
+                lines.append(line)
+        assert lines[-2:] == ["data: [DONE]", ""] or "data: [DONE]" in lines
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from verispec.cli.generate import add_model_args
@@ -72,5 +73,13 @@ def run(args) -> int:
 
     app = create_app(config, load)
     print(f"verispec: loading {args.model} …", file=sys.stderr, flush=True)
+    # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal to the handler
+    # that was installed before it: make that a clean exit, not a death by signal.
+    signal.signal(signal.SIGTERM, _exit_drained)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
     return 0
+
+
+def _exit_drained(signum, frame):
+    print("verispec: drained, exiting", file=sys.stderr, flush=True)
+    sys.exit(0)
