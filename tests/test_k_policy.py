@@ -74,3 +74,17 @@ def test_policy_probes_after_many_zero_rounds_and_caps_at_remaining():
     assert ks[:15] == [0] * 15 and ks[15] == 1
     fixed = KPolicy(4)
     assert fixed.choose(0, "draft", remaining=3) == 2
+
+
+def test_wide_batches_drive_k_to_zero_while_a_single_sequence_speculates():
+    """Costs are kept per batch bucket: alone, a 5-token verify costs 1.3x a 1-token pass (speculate);
+    in a batch of 8 the pass is compute-bound, c_p(n) ∝ n (plain decoding wins)."""
+    from verispec.engine.k_policy import batch_bucket
+
+    p = KPolicy("auto", k_max=4)
+    for n in range(1, 6):
+        p.costs.record_verify(n, 1.0 + 0.075 * (n - 1), batch=1)
+        p.costs.record_verify(n, 4.0 * n, batch=8)
+    assert batch_bucket(1) == 1 and batch_bucket(5) == batch_bucket(8) == 8 and batch_bucket(9) == 16
+    assert p.choose(0, "ngram", remaining=100, batch=1) > 0
+    assert p.choose(1, "ngram", remaining=100, batch=7) == 0
