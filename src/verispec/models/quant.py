@@ -1,8 +1,9 @@
 """Weight-only quantization as a swapped linear: the model file never sees it (gpt-fast style).
 
-int8: symmetric per-output-channel scales, weights stored as int8 (N, K); the matmul runs in
-`torch.ops.aten._weight_int8pack_mm` with bf16 activations (about 4x faster than fp32 at decode
-shapes on AVX2 CPUs). Everything around the linears (norms, RoPE, attention, residuals) keeps the
+int8: symmetric per-output-channel scales, weights stored as int8 (N, K). On CPUs with AVX2 + FMA
+the matmul runs in verispec's own small-M kernel (verispec/kernels/int8_gemm.c: fp32 activations,
+weights read once per group of rows, row-exact); elsewhere in `torch.ops.aten._weight_int8pack_mm`
+with bf16 activations. Everything around the linears (norms, RoPE, attention, residuals) keeps the
 model's dtype.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from verispec.kernels import int8_gemm, int8_gemm_available
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
 
@@ -30,12 +33,17 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", q)                                   # (N, K) int8
         self.register_buffer("scales", scale.to(torch.bfloat16))           # (N,)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+        self._scales_f32: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape                                                     # (..., K)
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16),
-                                               self.weight, self.scales)   # (M, N) bf16
-        y = y.to(x.dtype)
+        x2 = x.reshape(-1, shape[-1])                                       # (M, K)
+        if x2.device.type == "cpu" and int8_gemm_available():
+            if self._scales_f32 is None:
+                self._scales_f32 = self.scales.float().contiguous()
+            y = int8_gemm(x2.float().contiguous(), self.weight, self._scales_f32).to(x.dtype)   # (M, N)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)

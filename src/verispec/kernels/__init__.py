@@ -1,0 +1,100 @@
+"""Native CPU kernels, compiled on first use with the system C compiler and cached.
+
+`int8_gemm.c` is a small-M int8 weight-only matmul for AVX2 + FMA CPUs (see its header). It is
+built once into `$VERISPEC_CACHE/kernels/` (about a second with gcc) and opened with ctypes; its
+OpenMP pool is the one torch already loaded (same `libgomp.so.1`), so the two never fight for
+cores. Without a compiler, without AVX2/FMA, or with VERISPEC_KERNELS=off, `int8_gemm()` is None
+and callers use torch's own kernel. `kernel_status()` says which and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("int8_gemm.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+_status = "not loaded"
+
+
+def kernel_status() -> str:
+    _load()
+    return _status
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return " avx2" in flags and " fma" in flags
+
+
+def _cache_dir() -> Path:
+    from verispec.loaders.builtin import cache_dir
+
+    return cache_dir() / "kernels"
+
+
+@lru_cache(maxsize=1)
+def _load():
+    global _status
+    if os.environ.get("VERISPEC_KERNELS", "").lower() in ("0", "off", "false", "no"):
+        _status = "off (VERISPEC_KERNELS)"
+        return None
+    if not _cpu_has_avx2_fma():
+        _status = "unavailable: the CPU lacks AVX2/FMA"
+        return None
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        _status = "unavailable: no C compiler (install gcc to build the fast int8 kernel)"
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    lib_path = _cache_dir() / f"int8_gemm-{key}.so"
+    if not lib_path.exists():
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+            os.replace(tmp, lib_path)                     # atomic: a concurrent build never sees half a file
+        except (subprocess.SubprocessError, OSError) as err:
+            detail = getattr(err, "stderr", b"") or b""
+            _status = f"unavailable: compiling {SOURCE.name} failed ({detail.decode(errors='replace')[:200] or err})"
+            Path(tmp).unlink(missing_ok=True)
+            return None
+    try:
+        lib = ctypes.CDLL(str(lib_path))
+        if lib.verispec_int8_gemm_abi() != 1:
+            raise OSError("ABI mismatch")
+    except OSError as err:
+        _status = f"unavailable: loading {lib_path} failed ({err})"
+        return None
+    fn = lib.verispec_int8_gemm
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    _status = f"active ({lib_path.name})"
+    return fn
+
+
+def int8_gemm_available() -> bool:
+    return _load() is not None
+
+
+def int8_gemm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 contiguous, weight (N, K) int8, scales (N,) float32 -> (M, N) float32."""
+    fn = _load()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    fn(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+    return y
