@@ -88,3 +88,20 @@ def test_wide_batches_drive_k_to_zero_while_a_single_sequence_speculates():
     assert batch_bucket(1) == 1 and batch_bucket(5) == batch_bucket(8) == 8 and batch_bucket(9) == 16
     assert p.choose(0, "ngram", remaining=100, batch=1) > 0
     assert p.choose(1, "ngram", remaining=100, batch=7) == 0
+
+
+def test_reproducible_choices_ignore_measured_costs():
+    """Seeded sampling must not depend on timings: with reproducible=True, wildly different
+    measured costs give the same K schedule."""
+    schedules = []
+    for slope in (0.05, 5.0):
+        p = KPolicy("auto", k_max=4)
+        for n in range(1, 6):
+            p.costs.record_verify(n, 1.0 + slope * (n - 1))
+        ks = []
+        for i in range(20):
+            k = p.choose(0, "ngram", remaining=100, reproducible=True)
+            ks.append(k)
+            p.observe(0, "ngram", k, k if i % 3 else 0)
+        schedules.append(ks)
+    assert schedules[0] == schedules[1] and max(schedules[0]) > 0

@@ -23,6 +23,10 @@ EMA = 0.2                 # weight of a new measurement
 PRIOR_SLOPE = 0.35        # unmeasured c_p(n) ≈ c_p(m) + slope · c_p(1) · (n − m)
 PRIOR_RATE = {"draft": 0.7, "ngram": 0.5}
 PROBE_EVERY = 16          # after this many K = 0 rounds, try K = 1 once to refresh the estimate
+# Fixed costs (in units of c_p(1)) for seeded sampled requests: their K schedule — and with it the
+# sample a seed produces — must not depend on timings. Close to the int8 profile in PERFORMANCE.md.
+STATIC_SLOPE = 0.2
+STATIC_C_Q = {"draft": 0.4}
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -122,16 +126,23 @@ class KPolicy:
         self.costs = CostModel()
         self.estimates: dict[tuple[int, str], AcceptanceEstimate] = {}
 
-    def choose(self, slot: int, source: str, remaining: int, batch: int = 1) -> int:
+    def choose(self, slot: int, source: str, remaining: int, batch: int = 1, reproducible: bool = False) -> int:
         """K for this sequence's next round in a round of `batch` sequences; never more drafts than
-        tokens left to generate − 1."""
+        tokens left to generate − 1.
+
+        reproducible: use the fixed STATIC costs instead of measured ones, so the K schedule depends
+        only on the sequence's own acceptance history (seeded sampling: the same seed gives the same
+        text whatever the machine's timings or the batch around it)."""
         cap = max(0, remaining - 1)
         if not self.auto:
             return min(self.k_fixed, cap)
         if source == "none":
             return 0
         est = self.estimates.setdefault((slot, source), AcceptanceEstimate.prior(source, self.k_max))
-        k = choose_k(est.rates, lambda n: self.costs.c_p(n, batch), self.costs.c_q(source), self.k_max)
+        if reproducible:
+            k = choose_k(est.rates, lambda n: 1.0 + STATIC_SLOPE * (n - 1), STATIC_C_Q.get(source, 0.0), self.k_max)
+        else:
+            k = choose_k(est.rates, lambda n: self.costs.c_p(n, batch), self.costs.c_q(source), self.k_max)
         if k == 0:
             est.zero_rounds += 1
             if est.zero_rounds >= PROBE_EVERY:

@@ -11,8 +11,9 @@ from verispec.errors import InvalidRequest
 class SamplingParams:
     """temperature 0 = greedy (its own code path). top_k = 0 and top_p = 1.0 mean "off".
 
-    seed: a request with a seed is reproducible whatever else is in the batch; without one every
-    request draws fresh randomness. With n > 1, sample i uses seed + i.
+    seed: a request with a seed is reproducible whatever else is in the batch and whatever the
+    machine's timings (under k="auto" its K schedule uses fixed costs, see KPolicy.choose); without
+    one every request draws fresh randomness. With n > 1, sample i uses seed + i.
     """
 
     temperature: float = 1.0
@@ -46,3 +47,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def reproducible(self) -> bool:
+        """Seeded sampling: K must follow a timing-free schedule (greedy output never depends on K)."""
+        return self.seed is not None and not self.greedy

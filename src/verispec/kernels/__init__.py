@@ -74,7 +74,7 @@ def _load():
             return None
     try:
         lib = ctypes.CDLL(str(lib_path))
-        if lib.verispec_int8_gemm_abi() != 1:
+        if lib.verispec_int8_gemm_abi() != 4:
             raise OSError("ABI mismatch")
     except OSError as err:
         _status = f"unavailable: loading {lib_path} failed ({err})"

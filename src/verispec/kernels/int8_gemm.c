@@ -2,20 +2,20 @@
  *   y[m, n] = scale[n] · Σ_k x[m, k] · w[n, k]        (fp32 activations, fp32 accumulation)
  *
  * Built for the shapes of decode and verify passes (M = a few rows) on AVX2 + FMA CPUs: each int8
- * weight is loaded and widened once per group of up to 6 activation rows, so a K+1-row verify pass
- * reads the weights about as often as a 1-row decode step (memory-bound instead of compute-bound).
+ * weight is loaded and widened once per group of up to 6 activation rows and each activation load
+ * feeds several weight rows, so a K+1-row verify pass costs little more than a 1-row decode step.
  *
  * Row exactness: every row is computed with the same sequence of operations whatever M is and
- * however rows and columns are grouped or split across threads (two 8-lane accumulators over
- * k ≡ 0..7 and 8..15 mod 16, summed in a fixed order, then a scalar tail). A token's logits then
+ * however rows and columns are grouped or split across threads (the accumulation scheme depends on
+ * the weight's shape only, never on M; then a fixed horizontal sum and a scalar tail). A token's logits then
  * do not depend on how many rows share the pass — a K+1 verify row equals a 1-row decode step
  * bit for bit, which keeps greedy speculative output identical to greedy plain output.
  */
 #include <immintrin.h>
 #include <stdint.h>
 
-#define NTILE 64   /* output columns per tile: 64 weight rows of K bytes stay in L2 */
-#define MG 6       /* activation rows per group: 2 x 6 accumulators + 6 x 2 inputs fit 16 ymm registers */
+#define MG 6            /* activation rows per group */
+#define LONG_K 4096     /* rows longer than this use the single-accumulator scheme */
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -29,50 +29,83 @@ static inline __m256 widen8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* One weight row n against MM activation rows. */
-#define ROW_KERNEL(MM)                                                                             \
-    static void row_##MM(const float *x, const int8_t *wr, float s, float *y, long K, long N) {  \
-        __m256 a0[MM], a1[MM];                                                                   \
-        for (int m = 0; m < MM; m++) { a0[m] = _mm256_setzero_ps(); a1[m] = _mm256_setzero_ps(); } \
-        long k = 0;                                                                              \
-        for (; k + 16 <= K; k += 16) {                                                           \
-            __m256 w0 = widen8(wr + k), w1 = widen8(wr + k + 8);                                 \
-            for (int m = 0; m < MM; m++) {                                                       \
-                a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), a0[m]);             \
-                a1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), a1[m]);         \
+/* Scheme D (K <= LONG_K): two 8-lane accumulators per output, over k ≡ 0..7 and 8..15 (mod 16).
+   Scheme S (K > LONG_K): one 8-lane accumulator per output, over k in steps of 8; blocking NB
+   weight rows lets one activation load (from L2, since long rows do not fit L1) feed NB FMAs.
+   Either way an output is the same sequence of operations for any NB, MM or thread split. */
+#define KERNEL_D(NB, MM)                                                                          \
+    static void d_##NB##_##MM(const float *x, const int8_t *w, const float *scale, float *y,      \
+                              long N, long K, long n) {                                           \
+        __m256 a0[NB][MM], a1[NB][MM];                                                           \
+        for (int j = 0; j < NB; j++)                                                             \
+            for (int m = 0; m < MM; m++) a0[j][m] = a1[j][m] = _mm256_setzero_ps();              \
+        long kv = K - K % 16, k = 0;                                                             \
+        for (; k < kv; k += 16)                                                                  \
+            for (int j = 0; j < NB; j++) {                                                       \
+                __m256 w0 = widen8(w + (n + j) * K + k), w1 = widen8(w + (n + j) * K + k + 8);   \
+                for (int m = 0; m < MM; m++) {                                                   \
+                    a0[j][m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), a0[j][m]);   \
+                    a1[j][m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), a1[j][m]); \
+                }                                                                                \
             }                                                                                    \
-        }                                                                                        \
-        for (int m = 0; m < MM; m++) {                                                           \
-            float acc = hsum(_mm256_add_ps(a0[m], a1[m]));                                      \
-            for (long t = k; t < K; t++) acc += x[m * K + t] * (float)wr[t];                     \
-            y[m * N] = acc * s;                                                                  \
-        }                                                                                        \
+        for (int j = 0; j < NB; j++)                                                             \
+            for (int m = 0; m < MM; m++) {                                                       \
+                float sum = hsum(_mm256_add_ps(a0[j][m], a1[j][m]));                             \
+                for (long t = kv; t < K; t++) sum += x[m * K + t] * (float)w[(n + j) * K + t];   \
+                y[m * N + n + j] = sum * scale[n + j];                                           \
+            }                                                                                    \
     }
 
-ROW_KERNEL(1)
-ROW_KERNEL(2)
-ROW_KERNEL(3)
-ROW_KERNEL(4)
-ROW_KERNEL(5)
-ROW_KERNEL(6)
+#define KERNEL_S(NB, MM)                                                                          \
+    static void s_##NB##_##MM(const float *x, const int8_t *w, const float *scale, float *y,      \
+                              long N, long K, long n) {                                           \
+        __m256 acc[NB][MM];                                                                      \
+        for (int j = 0; j < NB; j++)                                                             \
+            for (int m = 0; m < MM; m++) acc[j][m] = _mm256_setzero_ps();                        \
+        long kv = K - K % 8, k = 0;                                                              \
+        for (; k < kv; k += 8) {                                                                 \
+            __m256 wv[NB];                                                                       \
+            for (int j = 0; j < NB; j++) wv[j] = widen8(w + (n + j) * K + k);                    \
+            for (int m = 0; m < MM; m++) {                                                       \
+                __m256 xv = _mm256_loadu_ps(x + m * K + k);                                      \
+                for (int j = 0; j < NB; j++) acc[j][m] = _mm256_fmadd_ps(wv[j], xv, acc[j][m]);  \
+            }                                                                                    \
+        }                                                                                        \
+        for (int j = 0; j < NB; j++)                                                             \
+            for (int m = 0; m < MM; m++) {                                                       \
+                float sum = hsum(acc[j][m]);                                                     \
+                for (long t = kv; t < K; t++) sum += x[m * K + t] * (float)w[(n + j) * K + t];   \
+                y[m * N + n + j] = sum * scale[n + j];                                           \
+            }                                                                                    \
+    }
 
-typedef void (*row_fn)(const float *, const int8_t *, float, float *, long, long);
-static const row_fn ROWS[MG + 1] = {0, row_1, row_2, row_3, row_4, row_5, row_6};
+KERNEL_D(1, 1) KERNEL_D(1, 2) KERNEL_D(1, 3) KERNEL_D(1, 4) KERNEL_D(1, 5) KERNEL_D(1, 6)
+KERNEL_S(4, 1) KERNEL_S(1, 1) KERNEL_S(4, 2) KERNEL_S(1, 2) KERNEL_S(3, 3) KERNEL_S(1, 3)
+KERNEL_S(3, 4) KERNEL_S(1, 4) KERNEL_S(2, 5) KERNEL_S(1, 5) KERNEL_S(2, 6) KERNEL_S(1, 6)
+
+typedef void (*blk_fn)(const float *, const int8_t *, const float *, float *, long, long, long);
+struct scheme { blk_fn wide[MG + 1], narrow[MG + 1]; int width[MG + 1]; long tile, group; };
+static const struct scheme D = {{0, d_1_1, d_1_2, d_1_3, d_1_4, d_1_5, d_1_6},
+                                {0, d_1_1, d_1_2, d_1_3, d_1_4, d_1_5, d_1_6}, {0, 1, 1, 1, 1, 1, 1}, 64, 5};
+static const struct scheme S = {{0, s_4_1, s_4_2, s_3_3, s_3_4, s_2_5, s_2_6},
+                                {0, s_1_1, s_1_2, s_1_3, s_1_4, s_1_5, s_1_6}, {0, 4, 4, 3, 3, 2, 2}, 32, 6};
 
 int verispec_int8_gemm(const float *x, const int8_t *w, const float *scale, float *y,
                        long M, long N, long K, int threads) {
-    long tiles = (N + NTILE - 1) / NTILE;
+    const struct scheme *sc = K > LONG_K ? &S : &D;     /* chosen by the weight's shape, never by M */
+    long tiles = (N + sc->tile - 1) / sc->tile;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long t = 0; t < tiles; t++) {
-        long n0 = t * NTILE, n1 = n0 + NTILE < N ? n0 + NTILE : N;
-        for (long m0 = 0; m0 < M; m0 += MG) {
-            long mm = M - m0 < MG ? M - m0 : MG;
-            for (long n = n0; n < n1; n++)
-                ROWS[mm](x + m0 * K, w + n * K, scale[n], y + m0 * N + n, K, N);
+        long n0 = t * sc->tile, n1 = n0 + sc->tile < N ? n0 + sc->tile : N;
+        for (long m0 = 0; m0 < M; m0 += sc->group) {      /* D: 6 rows would spill registers */
+            long mm = M - m0 < sc->group ? M - m0 : sc->group;
+            long nb = sc->width[mm], n = n0;
+            for (; n + nb <= n1; n += nb) sc->wide[mm](x + m0 * K, w, scale, y + m0 * N, N, K, n);
+            for (; n < n1; n++) sc->narrow[mm](x + m0 * K, w, scale, y + m0 * N, N, K, n);
         }
     }
     return 0;
 }
 
 /* Lets the loader check that the library it opened is this file's build. */
-int verispec_int8_gemm_abi(void) { return 1; }
+int verispec_int8_gemm_abi(void) { return 4; }

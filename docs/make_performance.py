@@ -1,0 +1,244 @@
+"""Write docs/PERFORMANCE.md from the measurement files in docs/results/ (never edit it by hand).
+
+    bash docs/reproduce.sh          # runs every measurement, then this script
+    python docs/make_performance.py # only regenerates the page from the existing results
+
+Each section names the command that produced its numbers. A missing result file leaves a line
+saying which command to run instead of a number.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DOCS = Path(__file__).parent
+RESULTS = DOCS / "results"
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def f(v, fmt="%.2f", none="–"):
+    return fmt % v if isinstance(v, (int, float)) else none
+
+
+def table(head: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)] + \
+           ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def missing(what: str, command: str) -> list[str]:
+    return [f"_Not measured yet: run `{command}` ({what})._", ""]
+
+
+def command_line(result: dict) -> str:
+    cmd = result.get("command", "")
+    parts = cmd.split()
+    if parts and parts[0].endswith("verispec"):
+        parts[0] = "verispec"
+    return " ".join(parts)
+
+
+def env_line(result: dict) -> str:
+    e = result.get("environment", {})
+    return (f"verispec {e.get('verispec')}, torch {e.get('torch')}, {e.get('threads')} threads, "
+            f"int8 kernel: {e.get('int8_kernel', 'torch')}")
+
+
+# -- sections -----------------------------------------------------------------------------------
+
+def suite_section(bench: dict | None) -> list[str]:
+    out = ["## Speculative modes on the bundled suite", ""]
+    if bench is None:
+        return out + missing("speedup per mode and category", "bash docs/reproduce.sh")
+    out += [f"Command: `{command_line(bench)}`  ", f"Environment: {env_line(bench)}. "
+            f"Report with every column: [bench-suite.md](results/bench-suite.md).", "",
+            "Speedup = tokens/s ÷ plain tokens/s in the same run (prompts interleaved, prefill included); "
+            "τ = tokens per target pass; same = greedy output identical to plain decoding for every prompt.", ""]
+    rows = [r for r in bench["summary"] if r["category"] == "all" and r["batch_size"] == 1]
+    out += table(["T", "mode", "tok/s", "speedup", "acceptance", "τ", "α", "same as plain"],
+                 [[r["temperature"], r["mode"], f(r["tokens_per_s"]), f(r["speedup"], "%.2fx"),
+                   f(r.get("acceptance_rate")), f(r.get("tau")), f(r.get("alpha")),
+                   {True: "yes", False: "**no**"}.get(r.get("identical_to_plain"), "–")] for r in rows])
+    out += ["", "### By category (speedup vs plain)", ""]
+    cats = sorted({r["category"] for r in bench["summary"] if r["category"] != "all"})
+    modes = [m for m in dict.fromkeys(r["mode"] for r in bench["summary"]) if m != "plain"]
+    temps = sorted({r["temperature"] for r in bench["summary"]})
+    body = []
+    for t in temps:
+        for m in modes:
+            cells = {r["category"]: r["speedup"] for r in bench["summary"]
+                     if r["temperature"] == t and r["mode"] == m and r["batch_size"] == 1}
+            if cells:
+                body.append([t, m] + [f(cells.get(c), "%.2fx") for c in cats + ["all"]])
+    out += table(["T", "mode"] + cats + ["all"], body)
+    out += ["", "### `auto` against the rule \"never more than 3 % slower than plain in any category\"", ""]
+    body = []
+    for t in temps:
+        for m in [m for m in modes if m.endswith("k=auto")]:
+            cells = [r for r in bench["summary"] if r["temperature"] == t and r["mode"] == m
+                     and r["category"] != "all" and r["batch_size"] == 1]
+            if not cells:
+                continue
+            worst = min(cells, key=lambda r: r["speedup"])
+            best = max(cells, key=lambda r: r["speedup"])
+            ok = worst["speedup"] >= 0.97
+            body.append([t, m, f"{worst['speedup']:.2f}x ({worst['category']})", f"{best['speedup']:.2f}x ({best['category']})",
+                         "yes" if ok else "**no**"])
+    out += table(["T", "mode", "worst category", "best category", "within 3 %"], body) + [""]
+    return out
+
+
+def ksweep_section(bench: dict | None) -> list[str]:
+    out = ["## Draft model: speedup against K", ""]
+    if bench is None:
+        return out + missing("draft K sweep", "bash docs/reproduce.sh")
+    out += [f"Command: `{command_line(bench)}` ([report](results/bench-ksweep.md), "
+            "[speedup vs K](results/plots-ksweep/speedup_vs_k.png), "
+            "[acceptance by position](results/plots-ksweep/acceptance_by_position.png)).", ""]
+    rows = [r for r in bench["summary"] if r["category"] == "all" and r["mode"] != "plain"]
+    out += table(["T", "mode", "speedup", "predicted speedup", "τ", "predicted τ (from α)", "acceptance", "α"],
+                 [[r["temperature"], r["mode"], f(r["speedup"], "%.2fx"), f(r.get("predicted_speedup"), "%.2fx"),
+                   f(r.get("tau")), f(r.get("predicted_tau")), f(r.get("acceptance_rate")), f(r.get("alpha"))]
+                  for r in rows]) + [""]
+    return out
+
+
+def costs_section(profile: dict | None) -> list[str]:
+    out = ["## What a target pass costs", ""]
+    if profile is None:
+        return out + missing("c_p(n) and c_q", "verispec profile --json docs/results/profile.json")
+    c_p = {int(n): v for n, v in profile["c_p"].items()}
+    base = c_p[1]
+    out += ["Command: `verispec profile --json docs/results/profile.json` (one 1.5B pass over n new tokens "
+            "after 128 cached, median of repeats).", ""]
+    ns = [n for n in (1, 2, 3, 4, 5, 6, 9, 12, 16) if n in c_p]
+    out += table(["n"] + [str(n) for n in ns],
+                 [["c_p(n) ms"] + [f(c_p[n] * 1e3, "%.0f") for n in ns],
+                  ["c_p(n) / c_p(1)"] + [f(c_p[n] / base) for n in ns]])
+    cq = profile["c_q"]
+    out += ["", f"Proposer cost per drafted token: draft model {cq['draft'] * 1e3:.0f} ms "
+            f"({cq['draft'] / base:.2f} × c_p(1)); prompt lookup {cq['ngram'] * 1e3:.2f} ms.", ""]
+    return out
+
+
+def batch_section(bench: dict | None) -> list[str]:
+    out = ["## Batches", ""]
+    if bench is None:
+        return out + missing("batch > 1", "bash docs/reproduce.sh")
+    out += [f"Command: `{command_line(bench)}` ([report](results/bench-batch.md)). Tokens/s count every "
+            "sequence of the batch.", ""]
+    rows = [r for r in bench["summary"] if r["category"] == "all"]
+    out += table(["T", "batch", "mode", "tok/s", "speedup", "acceptance", "τ", "same as plain"],
+                 [[r["temperature"], r["batch_size"], r["mode"], f(r["tokens_per_s"]), f(r["speedup"], "%.2fx"),
+                   f(r.get("acceptance_rate")), f(r.get("tau")),
+                   {True: "yes", False: "**no**"}.get(r.get("identical_to_plain"), "–")] for r in rows]) + [""]
+    return out
+
+
+def peer_section(bench: dict | None) -> list[str]:
+    out = ["## Peers in the same run", ""]
+    if bench is None:
+        return out + missing("Hugging Face transformers peer", "bash docs/reproduce.sh")
+    out += [f"Command: `{command_line(bench)}` ([report](results/bench-peer.md)). transformers runs the "
+            "same GGUF weights dequantized to float32 (its CPU default); verispec runs its default "
+            "(int8). Ratios are tokens/s measured in the same run on the same prompts.", ""]
+    rows = {(r["temperature"], r["mode"]): r for r in bench["summary"] if r["category"] == "all"}
+    body = []
+    for (t, mode), r in rows.items():
+        hf = rows.get((t, "hf plain"))
+        body.append([t, mode, f(r["tokens_per_s"]), f(r["speedup"], "%.2fx"),
+                     f(r["tokens_per_s"] / hf["tokens_per_s"] if hf else None, "%.2fx"),
+                     {True: "yes", False: "no"}.get(r.get("identical_to_plain"), "–")])
+    out += table(["T", "mode", "tok/s", "vs verispec plain", "vs hf plain", "same as verispec plain"], body)
+    out += ["", "llama.cpp is not measured here (no `llama-cpp-python` build in this project yet); the brief's "
+            "reference figure for this machine is ~15 tok/s plain decode of the 1.5B.", ""]
+    return out
+
+
+def formats_section(formats: dict | None) -> list[str]:
+    out = ["## Weight formats", ""]
+    if formats is None:
+        return out + missing("decode speed, quality, peak RSS", "python docs/measure_formats.py")
+    out += [f"Command: `python docs/measure_formats.py`. Environment: {env_line(formats)}. Decode tok/s: plain "
+            "greedy, 64 tokens, prefill excluded, median of 3. Quality: against fp32 on a fixed 150-token text. "
+            "Bandwidth floor: bytes of weights read per token ÷ ~20 GB/s (the machine's 2-thread read bandwidth).", ""]
+    bytes_per_param = {"float32": 4, "bfloat16": 2, "int8": 1}
+    params = {"qwen2.5-coder-0.5b-instruct": 0.494e9 + 0.136e9, "qwen2.5-coder-1.5b-instruct": 1.54e9 + 0.233e9}
+    body = []
+    for name, entry in formats["models"].items():
+        for fmt, m in entry.items():
+            floor_ms = params.get(name, 0) * bytes_per_param[fmt] / 20e9 * 1e3 if fmt != "int8" else \
+                params.get(name, 0) / 20e9 * 1e3
+            step_ms = 1e3 / m["tok_s"] if m.get("tok_s") else None
+            body.append([name, fmt, f(m.get("tok_s")), ", ".join(str(x) for x in m.get("tok_s_runs", [])),
+                         f(floor_ms, "%.0f"), f(floor_ms / step_ms * 100 if step_ms else None, "%.0f %%"),
+                         f(m.get("top1_agreement"), "%.3f", "1 (reference)" if fmt == "float32" else "–"),
+                         f(m.get("mean_kl"), "%.4f", "0" if fmt == "float32" else "–"), f(m.get("load_s"), "%.1f s")])
+    out += table(["model", "format", "decode tok/s", "runs", "floor ms/token", "of floor", "top-1 vs fp32",
+                  "KL(fp32‖fmt)", "load"], body)
+    rss = formats.get("pair_peak_rss_mb", {})
+    out += ["", "Peak RSS of a process running the pair (1.5B target + 0.5B draft, draft proposer, 32 tokens): "
+            + ", ".join(f"{fmt} {mb / 1024:.2f} GiB" for fmt, mb in rss.items()) + ".", ""]
+    return out
+
+
+def serving_section(load: dict | None) -> list[str]:
+    out = ["## Serving under load", ""]
+    if load is None:
+        return out + missing("TTFT/TPOT/throughput", "bash docs/reproduce.sh")
+    out += [f"Command: `{command_line(load)}` ([report](results/loadtest.md)). Streaming chat requests from the "
+            f"bundled suite, greedy, max_tokens {load['max_tokens']}, closed loop; goodput = tokens of requests "
+            f"with TTFT ≤ {load['slo']['ttft_s']} s and TPOT ≤ {load['slo']['tpot_s']} s, per second.", ""]
+
+    def ms(stat):
+        return f"{f(stat['median'] and stat['median'] * 1e3, '%.0f')} / {f(stat['p99'] and stat['p99'] * 1e3, '%.0f')}"
+
+    out += table(["server", "concurrency", "ok", "TTFT ms med / p99", "TPOT ms med / p99", "ITL ms med / p99",
+                  "E2E s med / p99", "throughput tok/s", "goodput tok/s", "acceptance"],
+                 [[r["server"] or "default", r["concurrency"], f"{r['ok']}/{r['requests']}", ms(r["ttft_s"]),
+                   ms(r["tpot_s"]), ms(r["itl_s"]),
+                   f"{f(r['e2e_s']['median'], '%.1f')} / {f(r['e2e_s']['p99'], '%.1f')}",
+                   f(r["throughput_tok_s"]), f(r["goodput_tok_s"]), f(r.get("acceptance_rate"))]
+                  for r in load["rows"]]) + [""]
+    return out
+
+
+def verify_section(report: dict | None) -> list[str]:
+    out = ["## Losslessness certificate on the real pair", ""]
+    if report is None:
+        return out + missing("verify", "bash docs/reproduce.sh")
+    out += [f"Command: `{command_line(report)}`.", "",
+            f"Verdict: **{report['verdict']}** (Bonferroni threshold p < {report['threshold']:.2g}; the run "
+            f"detects biases of total variation ≳ {report['resolution_tv']:.3f}).", ""]
+    out += table(["prompt", "token", "source", "samples", "cells", "TV to exact", "p-value"],
+                 [[repr(c["prompt"])[:40].replace("|", "\\|"), c["position"], c["source"], c["samples"], c["cells"],
+                   f(c["tv"], "%.4f"), f(c["chi2_p"], "%.3g")] for c in report["checks"]]) + [""]
+    return out
+
+
+def main() -> None:
+    out = ["# Performance", "",
+           "Generated by `python docs/make_performance.py` from the files in `docs/results/` — do not edit "
+           "by hand. `bash docs/reproduce.sh` reruns every measurement (about 90 minutes on the reference "
+           "machine) and then this script. The history of changes and what each did is in "
+           "[PERFORMANCE_LOG.md](PERFORMANCE_LOG.md).", "",
+           "Reference machine: 2 cores (AMD EPYC, AVX2, no AVX-512), 24 GiB, no GPU, 2 threads. Timings on "
+           "shared machines are noisy: compare ratios measured in one run, not absolute times across runs.", ""]
+    out += suite_section(load("bench-suite.json"))
+    out += costs_section(load("profile.json"))
+    out += ksweep_section(load("bench-ksweep.json"))
+    out += batch_section(load("bench-batch.json"))
+    out += peer_section(load("bench-peer.json"))
+    out += formats_section(load("formats.json"))
+    out += serving_section(load("loadtest.json"))
+    out += verify_section(load("verify.json"))
+    (DOCS / "PERFORMANCE.md").write_text("\n".join(out).rstrip() + "\n")
+    print(f"wrote {DOCS / 'PERFORMANCE.md'}")
+
+
+if __name__ == "__main__":
+    main()
