@@ -62,7 +62,9 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
                 for start in range(0, len(prompts), bs):
                     group = list(range(start, min(start + bs, len(prompts))))
                     for mode in modes:
-                        params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=seed + rep)
+                        # No seed: sampled runs then use the measured-cost K policy, what users get by default
+                        # (a seeded request follows the fixed-cost schedule, see KPolicy.choose).
+                        params = SamplingParams(temperature=temp, max_tokens=max_tokens)
                         t = time.perf_counter()
                         outs = llms[mode].generate([texts[i] for i in group], params)
                         wall = time.perf_counter() - t
