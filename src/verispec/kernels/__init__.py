@@ -1,10 +1,11 @@
 """Native CPU kernels, compiled on first use with the system C compiler and cached.
 
-`int8_gemm.c` is a small-M int8 weight-only matmul for AVX2 + FMA CPUs (see its header). It is
+`gemm.c` holds small-M weight-only matmuls (int8 per channel, int4 per group of 32) for AVX2 +
+FMA CPUs (see its header). It is
 built once into `$VERISPEC_CACHE/kernels/` (about a second with gcc) and opened with ctypes; its
 OpenMP pool is the one torch already loaded (same `libgomp.so.1`), so the two never fight for
 cores. Without a compiler, without AVX2/FMA, or with VERISPEC_KERNELS=off, `int8_gemm()` is None
-and callers use torch's own kernel. `kernel_status()` says which and why.
+and callers use torch's own kernels. `kernel_status()` says which and why.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("int8_gemm.c")
+SOURCE = Path(__file__).with_name("gemm.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _status = "not loaded"
 
@@ -59,7 +60,7 @@ def _load():
         return None
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"int8_gemm-{key}.so"
+    lib_path = _cache_dir() / f"gemm-{key}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
@@ -74,27 +75,42 @@ def _load():
             return None
     try:
         lib = ctypes.CDLL(str(lib_path))
-        if lib.verispec_int8_gemm_abi() != 4:
+        if lib.verispec_kernels_abi() != 5:
             raise OSError("ABI mismatch")
     except OSError as err:
         _status = f"unavailable: loading {lib_path} failed ({err})"
         return None
-    fn = lib.verispec_int8_gemm
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    fn.restype = ctypes.c_int
+    lib.verispec_int8_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.verispec_int4_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.verispec_int8_gemm.restype = lib.verispec_int4_gemm.restype = ctypes.c_int
     _status = f"active ({lib_path.name})"
-    return fn
+    return lib
 
 
-def int8_gemm_available() -> bool:
+def available() -> bool:
     return _load() is not None
 
 
 def int8_gemm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (M, K) float32 contiguous, weight (N, K) int8, scales (N,) float32 -> (M, N) float32."""
-    fn = _load()
+    lib = _load()
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    fn(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+    lib.verispec_int8_gemm(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k,
+                           torch.get_num_threads())
+    return y
+
+
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 contiguous; packed (N, K/2) uint8, scales and mins (N, K/32) float32 (see
+    gemm.c for the layout) -> (M, N) float32."""
+    lib = _load()
+    m, k = x.shape
+    n = packed.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    sums = torch.empty(m, k // 32, dtype=torch.float32)
+    if lib.verispec_int4_gemm(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), sums.data_ptr(),
+                              y.data_ptr(), m, n, k, torch.get_num_threads()):
+        raise ValueError(f"int4_gemm needs K divisible by 32, got {k}")
     return y

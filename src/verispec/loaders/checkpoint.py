@@ -69,7 +69,7 @@ def build_quantized(cfg: ModelConfig, state: dict[str, torch.Tensor], quant: str
     from verispec.models.quant import quantize_linears
 
     with torch.device("meta"):
-        model = quantize_linears(Transformer(cfg), quant)
+        model = quantize_linears(Transformer(cfg), quant, state)
     try:
         model.load_state_dict(state, assign=True, strict=True)
     except RuntimeError as exc:

@@ -29,7 +29,7 @@ from verispec.models.quant import quantize_linears
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 # Weight-only formats: the linears are quantized, everything else computes in the paired dtype.
-QUANTIZED = {"int8": torch.float32}
+QUANTIZED = {"int8": torch.float32, "int4": torch.float32}
 PREPARED_VERSION = 1
 
 

@@ -5,6 +5,12 @@ the matmul runs in verispec's own small-M kernel (verispec/kernels/int8_gemm.c: 
 weights read once per group of rows, row-exact); elsewhere in `torch.ops.aten._weight_int8pack_mm`
 with bf16 activations. Everything around the linears (norms, RoPE, attention, residuals) keeps the
 model's dtype.
+
+int4 (`--dtype int4`): groups of 32 along K with a scale and a minimum each, w = min + q · scale,
+q in 0..15 — an affine 16-level grid per group, which is exactly how Q4_K GGUF weights are stored.
+A weight is put in int4 only when every group already lies on such a grid (so a Q4_K file runs in
+int4 with no loss against the file); any other weight (Q6_K, fp16, …) stays int8. int4 needs the
+native kernel; without it the layer dequantizes once and runs in float32.
 """
 
 from __future__ import annotations
@@ -12,9 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from verispec.kernels import int8_gemm, int8_gemm_available
+from verispec import kernels
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")
+GROUP = 32
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,10 +45,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape                                                     # (..., K)
         x2 = x.reshape(-1, shape[-1])                                       # (M, K)
-        if x2.device.type == "cpu" and int8_gemm_available():
+        if x2.device.type == "cpu" and kernels.available():
             if self._scales_f32 is None:
                 self._scales_f32 = self.scales.float().contiguous()
-            y = int8_gemm(x2.float().contiguous(), self.weight, self._scales_f32).to(x.dtype)   # (M, N)
+            y = kernels.int8_gemm(x2.float().contiguous(), self.weight, self._scales_f32).to(x.dtype)   # (M, N)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales).to(x.dtype)
         if self.bias is not None:
@@ -52,13 +59,94 @@ class Int8Linear(nn.Module):
         return self.weight.float() * self.scales.float()[:, None]
 
 
-def quantize_linears(model: nn.Module, fmt: str) -> nn.Module:
-    """Swap every nn.Linear (the LM head included) for its quantized form, in place."""
-    if fmt != "int8":
+def quantize_int4(weight: torch.Tensor, tol: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(N, K) float -> packed (N, K/2) uint8, scales (N, K/32), mins (N, K/32) float32, or None when
+    some group of 32 is not (within tol of its step) on a 16-level affine grid, or K % 32 != 0.
+
+    The grid step of a group is its smallest gap between distinct values, checked to explain every
+    value: exact for groups that came from a 4-bit affine format, whichever levels they use."""
+    n, k = weight.shape
+    if k % GROUP:
+        return None
+    w = weight.float().reshape(n, k // GROUP, GROUP)                        # (N, G, 32)
+    lo = w.amin(-1, keepdim=True)
+    span = w.amax(-1, keepdim=True) - lo
+    gaps = torch.diff(torch.sort(w, dim=-1).values, dim=-1)                  # (N, G, 31)
+    gaps = torch.where(gaps > 1e-6 * span.clamp_min(1e-30), gaps, torch.full_like(gaps, float("inf")))
+    step = gaps.amin(-1, keepdim=True)
+    step = torch.where(torch.isfinite(step), step, torch.ones_like(step))  # constant groups: any step
+    q = torch.round((w - lo) / step)
+    if q.max() > 15 or ((lo + q * step - w).abs() > tol * step).any():
+        return None
+    q = q.to(torch.uint8).reshape(n, k // GROUP, GROUP)
+    packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2)       # byte j = q[j] | q[j+16] << 4
+    return packed.contiguous(), step[..., 0].contiguous(), lo[..., 0].contiguous()
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, packed: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("packed", packed)                              # (N, K/2) uint8
+        self.register_buffer("scales", scales)                              # (N, K/32) float32
+        self.register_buffer("mins", mins)                                  # (N, K/32) float32
+        self.register_buffer("bias", bias)
+        self._dense: torch.Tensor | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int4Linear | None":
+        found = quantize_int4(linear.weight.detach())
+        if found is None:
+            return None
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        return cls(linear.in_features, linear.out_features, *found, bias)
+
+    @classmethod
+    def empty(cls, linear: nn.Linear) -> "Int4Linear":
+        """A shell with the right buffer shapes (for loading cached weights)."""
+        n, k = linear.out_features, linear.in_features
+        bias = None if linear.bias is None else torch.empty(n)
+        return cls(k, n, torch.empty(n, k // 2, dtype=torch.uint8), torch.empty(n, k // GROUP),
+                   torch.empty(n, k // GROUP), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape                                                     # (..., K)
+        x2 = x.reshape(-1, shape[-1]).float().contiguous()                 # (M, K)
+        if x2.device.type == "cpu" and kernels.available():
+            y = kernels.int4_gemm(x2, self.packed, self.scales, self.mins)  # (M, N)
+        else:
+            if self._dense is None:
+                self._dense = self.dequantized()
+            y = x2 @ self._dense.T
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        n = self.out_features
+        p = self.packed.reshape(n, -1, 16)
+        q = torch.cat([p & 0x0F, p >> 4], dim=-1).float()                   # (N, G, 32)
+        return (self.mins[..., None] + q * self.scales[..., None]).reshape(n, self.in_features)
+
+
+def quantize_linears(model: nn.Module, fmt: str, state: dict | None = None, prefix: str = "") -> nn.Module:
+    """Swap every nn.Linear (the LM head included) for its quantized form, in place.
+
+    int4 falls back to int8 per layer (see the module docstring). With `state` (a saved quantized
+    state dict) the layers are built as empty shells in the saved layout instead."""
+    if fmt not in ("int8", "int4"):
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     for name, child in list(model.named_children()):
+        full = f"{prefix}{name}"
         if isinstance(child, nn.Linear):
-            setattr(model, name, Int8Linear(child))
+            layer = None
+            if fmt == "int4":
+                if state is not None:
+                    layer = Int4Linear.empty(child) if f"{full}.packed" in state else None
+                else:
+                    layer = Int4Linear.from_linear(child)
+            setattr(model, name, layer if layer is not None else Int8Linear(child))
         else:
-            quantize_linears(child, fmt)
+            quantize_linears(child, fmt, state, f"{full}.")
     return model
