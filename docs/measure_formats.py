@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-FORMATS = ["float32", "bfloat16", "int8"]
+FORMATS = ["float32", "bfloat16", "int8", "int4"]
 PROMPT = "Write a Python function that checks whether a number is prime."
 TEXT = '''def merge_intervals(intervals):
     """Merge overlapping intervals and return them sorted by start."""

@@ -1,30 +1,30 @@
 #!/usr/bin/env bash
 # Every measurement behind docs/PERFORMANCE.md, in order, then the page itself.
-# About 90 minutes on the reference machine (2 cores). Run from the repository root on a quiet machine.
+# About 75 minutes on the reference machine (2 cores). Run from the repository root on a quiet machine.
 set -euo pipefail
 R=docs/results
 mkdir -p "$R"
 
-# Speculative modes on the bundled suite, greedy and T = 0.7 (all modes interleaved in one run).
-verispec bench --modes ngram,draft,hybrid --ks 2,auto --temperatures 0,0.7 --max-tokens 48 \
+# Speculative modes on the bundled suite (12 prompts, 6 categories), greedy and T = 0.7, interleaved.
+verispec bench --modes ngram,draft,hybrid --ks auto --temperatures 0,0.7 --max-tokens 32 \
     --json $R/bench-suite.json --markdown $R/bench-suite.md --plot $R/plots
 # Costs of a target pass by width, and of each proposer.
 verispec profile --json $R/profile.json > $R/profile.txt
-# Draft model K sweep on half the suite.
-verispec bench --modes draft --ks 1,2,4,6,8 --temperatures 0,0.7 --limit 6 --max-tokens 32 \
+# Draft model K sweep (greedy) on a third of the suite.
+verispec bench --modes draft --ks 1,2,4,6 --temperatures 0 --limit 4 --max-tokens 32 \
     --json $R/bench-ksweep.json --markdown $R/bench-ksweep.md --plot $R/plots-ksweep
 # Batches of 4 prompts.
-verispec bench --modes ngram,draft --ks auto --batch-sizes 1,4 --limit 8 --max-tokens 32 \
+verispec bench --modes ngram --ks auto --batch-sizes 1,4 --limit 4 --max-tokens 32 \
     --json $R/bench-batch.json --markdown $R/bench-batch.md
 # Hugging Face transformers on the same prompts and weights, in the same run.
-verispec bench --peer hf --modes ngram,draft --ks auto --limit 4 --max-tokens 32 \
+verispec bench --peer hf --modes ngram --ks auto --limit 3 --max-tokens 24 \
     --json $R/bench-peer.json --markdown $R/bench-peer.md
 # Weight formats: decode speed, quality against fp32, peak RSS of the pair.
 python docs/measure_formats.py --out $R/formats.json
 # Losslessness certificate on the real pair (0.5B drafts for the 1.5B, K = 4, T = 0.8).
-verispec verify --draft qwen2.5-coder-0.5b-instruct --k 4 --samples 2000 --json $R/verify.json > $R/verify.txt
+verispec verify --draft qwen2.5-coder-0.5b-instruct --k 4 --samples 1000 --json $R/verify.json > $R/verify.txt
 # The server under load, without and with speculation.
-verispec loadtest --spawn '--proposer none' --spawn '--proposer ngram' --concurrency 1,4,16 --max-tokens 48 \
+verispec loadtest --spawn '--proposer none' --spawn '--proposer ngram' --concurrency 1,4,16 --max-tokens 32 \
     --json $R/loadtest.json --markdown $R/loadtest.md
 
 python docs/make_performance.py
