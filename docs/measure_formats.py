@@ -7,14 +7,14 @@
 - quality: top-1 agreement and mean KL(fp32 ‖ format) of the next-token distributions at every
   position of a fixed 150-token text (code and prose);
 - peak RSS: a fresh process loads the pair (1.5B target + 0.5B draft) in the format and generates
-  32 tokens with the draft proposer; its peak resident set size (ru_maxrss).
+  32 tokens with the draft proposer; its peak resident set size (VmHWM — not ru_maxrss, which
+  Linux carries over from the parent across fork + exec).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -87,7 +87,8 @@ def peak_rss_child(fmt: str) -> None:
 
     llm = LLM(TARGET, draft=DRAFT, proposer="draft", k=4, dtype=fmt)
     llm.generate([llm.chat_prompt([{"role": "user", "content": PROMPT}])], SamplingParams(temperature=0, max_tokens=32))
-    print(json.dumps({"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+    hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
+    print(json.dumps({"peak_rss_mb": round(int(hwm.split()[1]) / 1024, 1)}))
 
 
 def peak_rss(fmt: str) -> float:
@@ -99,9 +100,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/results/formats.json")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rss-only", action="store_true", help="only re-measure peak RSS into an existing --out file")
     args = ap.parse_args()
     if args.rss_child:
         peak_rss_child(args.rss_child)
+        return
+    if args.rss_only:
+        result = json.loads(Path(args.out).read_text())
+        result["pair_peak_rss_mb"] = {fmt: peak_rss(fmt) for fmt in FORMATS}
+        print("peak RSS", result["pair_peak_rss_mb"], flush=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
         return
     from verispec.bench.run import environment
 
