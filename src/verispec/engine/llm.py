@@ -174,7 +174,7 @@ class LLM:
         while active:
             sources = [proposer.source_for(s) for s in active]
             ks = [self.policy.choose(s.slot, src, s.params.max_tokens - len(s.generated), len(active),
-                                     reproducible=s.params.reproducible)
+                                     reproducible=s.params.reproducible, greedy=s.params.greedy)
                   for s, src in zip(active, sources)]
             report = speculative_round(active, target, proposer, ks)
             self.learn(active, report)
