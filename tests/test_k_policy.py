@@ -105,3 +105,29 @@ def test_reproducible_choices_ignore_measured_costs():
             p.observe(0, "ngram", k, k if i % 3 else 0)
         schedules.append(ks)
     assert schedules[0] == schedules[1] and max(schedules[0]) > 0
+
+
+def test_new_sequences_start_from_what_earlier_ones_learned():
+    p = KPolicy("auto", k_max=4)
+    for n in range(1, 6):
+        p.costs.record_verify(n, 1.0 + 0.1 * (n - 1))
+    for slot in range(80):                       # many sequences whose lookups are never accepted
+        p.choose(slot, "ngram", remaining=100, greedy=False)
+        p.observe(slot, "ngram", 2, 0)
+    assert p.choose(99, "ngram", remaining=100, greedy=False) == 0     # a new one does not even try
+    assert p.choose(98, "ngram", remaining=100, greedy=True) > 0       # greedy has its own prior
+    assert p.choose(97, "ngram", remaining=100, greedy=False, reproducible=True) > 0   # fixed prior
+
+
+def test_probes_back_off_while_speculation_keeps_not_paying():
+    p = KPolicy("auto", k_max=4)
+    p.costs.record_verify(1, 1.0)
+    for n in range(2, 6):
+        p.costs.record_verify(n, float(n))
+    probes = []
+    for i in range(16 + 32 + 64 + 1):
+        k = p.choose(0, "draft", remaining=1000)
+        if k:
+            probes.append(i)
+            p.observe(0, "draft", k, 0)
+    assert probes == [15, 15 + 32, 15 + 32 + 64]        # waits of 16, 32, 64 zero rounds

@@ -130,3 +130,15 @@ def test_hybrid_uses_both_sources_and_stays_exact_when_sampling(pair):
 
 def plain_outputs_for(target, prompts, params):
     return [o.token_ids for o in LLM(target, proposer="none").generate(prompts, params)]
+
+
+def test_samples_of_one_prompt_share_its_prefill_and_match_separate_runs():
+    """n > 1 prefills the prompt once and copies the cache; each sample equals a run of its own."""
+    from conftest import tiny_model
+    from verispec import LLM, SamplingParams
+
+    llm = LLM(tiny_model(0), proposer="ngram", k=2)
+    many = llm.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(temperature=0.9, max_tokens=12, seed=5, n=4))
+    for i, out in enumerate(many):
+        alone = llm.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(temperature=0.9, max_tokens=12, seed=5 + i))
+        assert out.token_ids == alone[0].token_ids

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 EMA = 0.2                 # weight of a new measurement
 PRIOR_SLOPE = 0.35        # unmeasured c_p(n) ≈ c_p(m) + slope · c_p(1) · (n − m)
 PRIOR_RATE = {"draft": 0.7, "ngram": 0.5}
-PROBE_EVERY = 16          # after this many K = 0 rounds, try K = 1 once to refresh the estimate
+PROBE_EVERY = 16          # after this many K = 0 rounds, try K = 1 once to refresh the estimate …
+PROBE_MAX = 256           # … doubling the wait after each probe that did not revive speculation
+SHARED_EMA = 0.05         # weight of one sequence's round in the shared (cross-sequence) prior
 # Fixed costs (in units of c_p(1)) for seeded sampled requests: their K schedule — and with it the
 # sample a seed produces — must not depend on timings. Close to the int8 profile in PERFORMANCE.md.
 STATIC_SLOPE = 0.2
@@ -98,10 +100,14 @@ class AcceptanceEstimate:
     rates: list[float]
     zero_rounds: int = 0
     reached: int = 0          # deepest position ever verified + 1
+    probe_every: int = PROBE_EVERY
+    probing: bool = False     # the last K > 0 was a probe
+    regime: str = "greedy"    # greedy | sampled: which shared prior this sequence feeds
 
     @classmethod
-    def prior(cls, source: str, k_max: int) -> "AcceptanceEstimate":
-        return cls([PRIOR_RATE.get(source, 0.5)] * k_max)
+    def prior(cls, source: str, k_max: int, shared: list[float] | None = None,
+              regime: str = "greedy") -> "AcceptanceEstimate":
+        return cls(list(shared) if shared else [PRIOR_RATE.get(source, 0.5)] * k_max, regime=regime)
 
     def update(self, proposed: int, accepted: int) -> None:
         """Positions 0 … min(accepted, proposed−1) were reached; those < accepted were accepted.
@@ -125,34 +131,53 @@ class KPolicy:
         self.k_max = k_max if self.auto else int(k)
         self.costs = CostModel()
         self.estimates: dict[tuple[int, str], AcceptanceEstimate] = {}
+        # Per (source, regime): acceptance rates by position pooled over past sequences; a new
+        # sequence starts from them rather than from a fixed guess (short requests learn little).
+        self.shared: dict[tuple[str, str], list[float]] = {}
 
-    def choose(self, slot: int, source: str, remaining: int, batch: int = 1, reproducible: bool = False) -> int:
+    def choose(self, slot: int, source: str, remaining: int, batch: int = 1, reproducible: bool = False,
+               greedy: bool = True) -> int:
         """K for this sequence's next round in a round of `batch` sequences; never more drafts than
         tokens left to generate − 1.
 
-        reproducible: use the fixed STATIC costs instead of measured ones, so the K schedule depends
-        only on the sequence's own acceptance history (seeded sampling: the same seed gives the same
-        text whatever the machine's timings or the batch around it)."""
+        reproducible: use fixed STATIC costs and the fixed prior instead of measured costs and the
+        shared prior, so the K schedule depends only on the sequence's own acceptance history
+        (seeded sampling: the same seed gives the same text whatever the machine's timings, the
+        batch around it, or the requests before it)."""
         cap = max(0, remaining - 1)
         if not self.auto:
             return min(self.k_fixed, cap)
         if source == "none":
             return 0
-        est = self.estimates.setdefault((slot, source), AcceptanceEstimate.prior(source, self.k_max))
+        est = self.estimates.get((slot, source))
+        if est is None:
+            regime = "greedy" if greedy else "sampled"
+            shared = None if reproducible else self.shared.get((source, regime))
+            est = self.estimates[(slot, source)] = AcceptanceEstimate.prior(source, self.k_max, shared, regime)
         if reproducible:
             k = choose_k(est.rates, lambda n: 1.0 + STATIC_SLOPE * (n - 1), STATIC_C_Q.get(source, 0.0), self.k_max)
         else:
             k = choose_k(est.rates, lambda n: self.costs.c_p(n, batch), self.costs.c_q(source), self.k_max)
-        if k == 0:
-            est.zero_rounds += 1
-            if est.zero_rounds >= PROBE_EVERY:
-                est.zero_rounds, k = 0, 1
+        if k > 0:
+            est.probe_every, est.probing = PROBE_EVERY, False
+            return min(k, cap)
+        if est.probing:                      # the probe did not make speculation pay: wait longer
+            est.probe_every, est.probing = min(2 * est.probe_every, PROBE_MAX), False
+        est.zero_rounds += 1
+        if est.zero_rounds >= est.probe_every:
+            est.zero_rounds, est.probing, k = 0, True, 1
         return min(k, cap)
 
     def observe(self, slot: int, source: str, proposed: int, accepted: int) -> None:
-        if self.auto and proposed > 0:
-            self.estimates.setdefault((slot, source), AcceptanceEstimate.prior(source, self.k_max)).update(
-                proposed, accepted)
+        if not (self.auto and proposed > 0):
+            return
+        est = self.estimates.get((slot, source))
+        if est is None:
+            est = self.estimates[(slot, source)] = AcceptanceEstimate.prior(source, self.k_max)
+        est.update(proposed, accepted)
+        shared = self.shared.setdefault((source, est.regime), [PRIOR_RATE.get(source, 0.5)] * self.k_max)
+        for i in range(min(accepted + 1, proposed)):
+            shared[i] = (1 - SHARED_EMA) * shared[i] + SHARED_EMA * (1.0 if i < accepted else 0.0)
 
     def forget_slot(self, slot: int) -> None:
         for key in [key for key in self.estimates if key[0] == slot]:

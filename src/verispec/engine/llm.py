@@ -166,7 +166,15 @@ class LLM:
         t_start = time.perf_counter()
         target = ModelRunner(self.target.model, len(seqs), max_len)
         proposer = self.make_proposer()
-        target.prefill([s.slot for s in seqs], [s.tokens for s in seqs])
+        # Samples of one prompt (n > 1, verify's thousands) share its prefill: compute it once, copy the cache.
+        leaders: dict[tuple[int, ...], Sequence] = {}
+        for s in seqs:
+            leaders.setdefault(tuple(s.tokens), s)
+        target.prefill([s.slot for s in leaders.values()], [s.tokens for s in leaders.values()])
+        for s in seqs:
+            lead = leaders[tuple(s.tokens)]
+            if lead is not s:
+                target.cache.copy_prefix(lead.slot, s.slot, target.length(lead.slot))
         proposer.start(ModelRunner.static(len(seqs), max_len))
         first_token_at: dict[int, float] = {}
         active = list(seqs)
@@ -174,7 +182,7 @@ class LLM:
         while active:
             sources = [proposer.source_for(s) for s in active]
             ks = [self.policy.choose(s.slot, src, s.params.max_tokens - len(s.generated), len(active),
-                                     reproducible=s.params.reproducible)
+                                     reproducible=s.params.reproducible, greedy=s.params.greedy)
                   for s, src in zip(active, sources)]
             report = speculative_round(active, target, proposer, ks)
             self.learn(active, report)

@@ -39,6 +39,12 @@ class KVCache:
             raise ValueError(f"position {kv_len - 1} is beyond the cache length {self.max_len}")
         return CacheView(self, slots, positions, kv_len)
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Give slot dst the first `length` cached positions of slot src (shared prompts)."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self.set_length(dst, length)
+
     def set_length(self, slot: int, length: int) -> None:
         """Commit or roll back a slot by moving its length pointer; no data moves."""
         if not 0 <= length <= self.max_len:

@@ -10,6 +10,8 @@ token per step.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from verispec.engine.runner import ModelRunner
@@ -51,9 +53,11 @@ class DraftModelProposer(Proposer):
         top_p = torch.tensor([s.params.top_p for s in seqs])
         gens = [s.generator for s in seqs]
         # Catch up (lazy prefill) on all but the pending token where more than a round's worth is unseen.
+        t0 = time.perf_counter()
         behind = [s for s, k in zip(seqs, ks) if k and len(s.tokens) - self.runner.length(s.slot) > 2]
         if behind:
             self.runner.extend([s.slot for s in behind], [s.tokens for s in behind])
+        t1 = time.perf_counter()
         # Step 0 ingests what the draft has not seen; later steps feed the previous proposal.
         chunks = [s.tokens[self.runner.length(s.slot):] for s in seqs]
         for i in range(k_max):
@@ -73,7 +77,9 @@ class DraftModelProposer(Proposer):
             chunks = [[int(tokens[j, i])] if ks[j] > i else [] for j in range(b)]
         # The last proposal was never fed: the draft's cache now covers tokens + x̃_0 … x̃_{k-2}.
         self.written = {s.slot: self.runner.length(s.slot) for s in seqs}
-        return Proposal(tokens, torch.tensor(ks), q)
+        # The cost model gets the per-token drafting cost; catching up after K = 0 rounds is a
+        # one-off that would otherwise make drafting look dearer than it is and keep K at 0.
+        return Proposal(tokens, torch.tensor(ks), q, steps={"draft": (k_max, time.perf_counter() - t1)})
 
     def observe(self, seqs, num_accepted):
         for s in seqs:

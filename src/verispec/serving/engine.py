@@ -145,7 +145,8 @@ class ServingEngine:
         s = entry.seq
         source = self.proposer.source_for(s)
         return self.policy.choose(s.slot, source, s.params.max_tokens - len(s.generated),
-                                  max(1, len(self.scheduler.admitted)), reproducible=s.params.reproducible)
+                                  max(1, len(self.scheduler.admitted)), reproducible=s.params.reproducible,
+                                  greedy=s.params.greedy)
 
     def _prefill(self, parts: list[tuple[Entry, int, int]]) -> None:
         parts = [p for p in parts if p[2] > p[1]]
