@@ -131,3 +131,23 @@ def test_probes_back_off_while_speculation_keeps_not_paying():
             probes.append(i)
             p.observe(0, "draft", k, 0)
     assert probes == [15, 15 + 32, 15 + 32 + 64]        # waits of 16, 32, 64 zero rounds
+
+
+def test_a_batch_shares_one_k_and_stops_speculating_when_width_costs_too_much():
+    from types import SimpleNamespace
+
+    from verispec.engine.params import SamplingParams
+
+    def seqs(n):
+        return [SimpleNamespace(slot=i, generated=[], params=SamplingParams(temperature=0, max_tokens=50))
+                for i in range(n)]
+
+    cheap = KPolicy("auto", k_max=4)
+    for n in range(1, 6):
+        cheap.costs.record_verify(n, 1.0 + 0.05 * (n - 1), batch=4)
+    ks = cheap.choose_round(seqs(4), ["ngram"] * 4)
+    assert len(set(ks)) == 1 and ks[0] > 0                  # one K for the whole batch
+    dear = KPolicy("auto", k_max=4)
+    for n in range(1, 6):
+        dear.costs.record_verify(n, float(n), batch=4)      # every extra row costs a full pass
+    assert dear.choose_round(seqs(4), ["ngram"] * 4) == [0, 0, 0, 0]

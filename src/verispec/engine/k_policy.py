@@ -80,14 +80,15 @@ class CostModel:
         if (bucket, n) in self.verify:
             return self.verify[(bucket, n)]
         widths = {w: c for (b, w), c in self.verify.items() if b == bucket}
+        slope = min(1.0, PRIOR_SLOPE * bucket)          # wider batches turn compute-bound sooner
         if not widths:
-            return 1.0 + PRIOR_SLOPE * (n - 1)          # unit-less prior before any measurement
+            return 1.0 + slope * (n - 1)                 # unit-less prior before any measurement
         base = widths.get(1, min(widths.values()))
         below = [m for m in widths if m < n]
         if below:
             m = max(below)
-            return widths[m] + PRIOR_SLOPE * base * (n - m)
-        return base * (1 + PRIOR_SLOPE * (n - 1))
+            return widths[m] + slope * base * (n - m)
+        return base * (1 + slope * (n - 1))
 
     def c_q(self, source: str) -> float:
         return self.propose.get(source, 0.0)
@@ -167,6 +168,53 @@ class KPolicy:
         if est.zero_rounds >= est.probe_every:
             est.zero_rounds, est.probing, k = 0, True, 1
         return min(k, cap)
+
+    def choose_round(self, seqs: list, sources: list[str], batch: int | None = None) -> list[int]:
+        """K for every sequence of one batched round.
+
+        A batched verify pass is as wide as its widest row (shorter rows are padded), so one
+        sequence's K costs the whole batch. Alone, a sequence chooses its own K (choose); in a
+        batch, one K is chosen for all as argmax Σ_b E_b(K) / (K·c_q + c_p(K+1, B)) — K = 0 as soon
+        as the batch is wide enough that speculation stops paying. Seeded sampled sequences keep
+        their own timing-free schedule (see choose)."""
+        batch = batch or len(seqs)
+        remaining = [s.params.max_tokens - len(s.generated) for s in seqs]
+        if len(seqs) == 1 or not self.auto:
+            return [self.choose(s.slot, src, r, batch, s.params.reproducible, s.params.greedy)
+                    for s, src, r in zip(seqs, sources, remaining)]
+        joint = [i for i, s in enumerate(seqs) if not s.params.reproducible and sources[i] != "none"]
+        ks = [self.choose(s.slot, src, r, batch, True, s.params.greedy) if i not in joint else 0
+              for i, (s, src, r) in enumerate(zip(seqs, sources, remaining))]
+        if not joint:
+            return ks
+        ests = []
+        for i in joint:
+            s = seqs[i]
+            est = self.estimates.get((s.slot, sources[i]))
+            if est is None:
+                regime = "greedy" if s.params.greedy else "sampled"
+                est = self.estimates[(s.slot, sources[i])] = AcceptanceEstimate.prior(
+                    sources[i], self.k_max, self.shared.get((sources[i], regime)), regime)
+            ests.append(est)
+        c_q = max(self.costs.c_q(sources[i]) for i in joint)
+        best_k, best = 0, len(joint) / self.costs.c_p(1, batch)
+        for k in range(1, self.k_max + 1):
+            value = sum(expected_tokens(e.rates, min(k, max(0, remaining[i] - 1)))
+                        for e, i in zip(ests, joint)) / (k * c_q + self.costs.c_p(k + 1, batch))
+            if value > best * (1 + 1e-9):
+                best_k, best = k, value
+        lead = ests[0]                          # the batch's probing state rides on its first sequence
+        if best_k == 0:
+            if lead.probing:
+                lead.probe_every, lead.probing = min(2 * lead.probe_every, PROBE_MAX), False
+            lead.zero_rounds += 1
+            if lead.zero_rounds >= lead.probe_every:
+                lead.zero_rounds, lead.probing, best_k = 0, True, 1
+        else:
+            lead.probe_every, lead.probing = PROBE_EVERY, False
+        for i in joint:
+            ks[i] = min(best_k, max(0, remaining[i] - 1))
+        return ks
 
     def observe(self, slot: int, source: str, proposed: int, accepted: int) -> None:
         if not (self.auto and proposed > 0):

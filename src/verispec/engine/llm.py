@@ -181,9 +181,7 @@ class LLM:
         self.policy.forget()
         while active:
             sources = [proposer.source_for(s) for s in active]
-            ks = [self.policy.choose(s.slot, src, s.params.max_tokens - len(s.generated), len(active),
-                                     reproducible=s.params.reproducible, greedy=s.params.greedy)
-                  for s, src in zip(active, sources)]
+            ks = self.policy.choose_round(active, sources)
             report = speculative_round(active, target, proposer, ks)
             self.learn(active, report)
             now = time.perf_counter()

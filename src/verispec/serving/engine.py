@@ -131,7 +131,8 @@ class ServingEngine:
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> None:
-        plan = self.scheduler.schedule(self._choose_k)
+        ks = self._choose_ks()
+        plan = self.scheduler.schedule(lambda entry: ks.get(entry.slot, 0))
         for e in plan.preempted:
             self.proposer.release([e.slot])
             self.target.cache.drop(e.slot)
@@ -141,12 +142,13 @@ class ServingEngine:
             self._round(plan.decode, plan.ks)
         self.stats.preemptions = self.scheduler.preemptions
 
-    def _choose_k(self, entry: Entry) -> int:
-        s = entry.seq
-        source = self.proposer.source_for(s)
-        return self.policy.choose(s.slot, source, s.params.max_tokens - len(s.generated),
-                                  max(1, len(self.scheduler.admitted)), reproducible=s.params.reproducible,
-                                  greedy=s.params.greedy)
+    def _choose_ks(self) -> dict[int, int]:
+        """K for each sequence ready to decode, chosen jointly for the round (KPolicy.choose_round)."""
+        ready = [e.seq for e in self.scheduler.admitted if e.prefilled]
+        if not ready:
+            return {}
+        ks = self.policy.choose_round(ready, [self.proposer.source_for(s) for s in ready])
+        return {s.slot: k for s, k in zip(ready, ks)}
 
     def _prefill(self, parts: list[tuple[Entry, int, int]]) -> None:
         parts = [p for p in parts if p[2] > p[1]]
