@@ -125,7 +125,8 @@ def certify(spec: LLM, plain: LLM, prompts: list[str | list[int]], params: Sampl
             # Second token: joint cells (x1, x2) for first tokens whose conditional we computed.
             joint_probs, joint_counts = [], []
             for x1, cond in p2.items():
-                seconds = np.array([o.token_ids[1] for o in outs if o.token_ids[0] == x1 and len(o.token_ids) > 1])
+                seconds = np.array([o.token_ids[1] for o in outs if o.token_ids[0] == x1 and len(o.token_ids) > 1],
+                                   dtype=np.int64)                  # may be empty: x1 never sampled
                 joint_probs.append(p1[x1] * cond)
                 joint_counts.append(np.bincount(seconds, minlength=len(cond)).astype(float))
             covered = sum(p1[x] for x in p2)
