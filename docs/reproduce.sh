@@ -22,7 +22,7 @@ verispec bench --peer hf --modes ngram --ks auto --limit 3 --max-tokens 24 \
 # Weight formats: decode speed, quality against fp32, peak RSS of the pair.
 python docs/measure_formats.py --out $R/formats.json
 # Losslessness certificate on the real pair (0.5B drafts for the 1.5B, K = 4, T = 0.8).
-verispec verify --draft qwen2.5-coder-0.5b-instruct --k 4 --samples 1000 --json $R/verify.json > $R/verify.txt
+verispec verify --draft qwen2.5-coder-0.5b-instruct --k 4 --samples 600 --json $R/verify.json > $R/verify.txt
 # The server under load, without and with speculation.
 verispec loadtest --spawn '--proposer none' --spawn '--proposer ngram' --concurrency 1,4,16 --max-tokens 32 \
     --json $R/loadtest.json --markdown $R/loadtest.md
