@@ -116,6 +116,9 @@ def costs_section(profile: dict | None) -> list[str]:
     out += ["Command: `verispec profile --json docs/results/profile.json` (one 1.5B pass over n new tokens "
             "after 128 cached, median of repeats).", ""]
     ns = [n for n in (1, 2, 3, 4, 5, 6, 9, 12, 16) if n in c_p]
+    out += ["Passes of 6–11 rows take a second sweep over the weights in the int8 kernel (groups of ≤ 5 rows "
+            "for the short-row scheme), which is why c_p jumps after n = 5; `--k auto` sees these costs and "
+            "rarely goes past K = 4.", ""]
     out += table(["n"] + [str(n) for n in ns],
                  [["c_p(n) ms"] + [f(c_p[n] * 1e3, "%.0f") for n in ns],
                   ["c_p(n) / c_p(1)"] + [f(c_p[n] / base) for n in ns]])
@@ -203,6 +206,10 @@ def serving_section(load: dict | None) -> list[str]:
                    f"{f(r['e2e_s']['median'], '%.1f')} / {f(r['e2e_s']['p99'], '%.1f')}",
                    f(r["throughput_tok_s"]), f(r["goodput_tok_s"]), f(r.get("acceptance_rate"))]
                   for r in load["rows"]]) + [""]
+    out += ["At concurrency 16 both servers are bound by prefilling 16 prompts on 2 cores (TTFT of tens of "
+            "seconds, so goodput under the default objectives is 0); those rows move by tens of percent between "
+            "runs. Under `--k auto` a batch shares one K, which falls to 0 when the batch is wide enough that "
+            "speculation stops paying ([SERVING.md](SERVING.md)).", ""]
     return out
 
 
