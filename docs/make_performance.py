@@ -30,6 +30,11 @@ def table(head: list[str], rows: list[list]) -> list[str]:
            ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
+def same(row: dict, no: str = "**no**") -> str:
+    """The "same as plain" cell: greedy output identical to plain decoding."""
+    return {True: "yes", False: no}.get(row.get("identical_to_plain"), "–")
+
+
 def missing(what: str, command: str) -> list[str]:
     return [f"_Not measured yet: run `{command}` ({what})._", ""]
 
@@ -61,8 +66,7 @@ def suite_section(bench: dict | None) -> list[str]:
     rows = [r for r in bench["summary"] if r["category"] == "all" and r["batch_size"] == 1]
     out += table(["T", "mode", "tok/s", "speedup", "acceptance", "τ", "α", "same as plain"],
                  [[r["temperature"], r["mode"], f(r["tokens_per_s"]), f(r["speedup"], "%.2fx"),
-                   f(r.get("acceptance_rate")), f(r.get("tau")), f(r.get("alpha")),
-                   {True: "yes", False: "**no**"}.get(r.get("identical_to_plain"), "–")] for r in rows])
+                   f(r.get("acceptance_rate")), f(r.get("tau")), f(r.get("alpha")), same(r)] for r in rows])
     out += ["", "### By category (speedup vs plain)", ""]
     cats = sorted({r["category"] for r in bench["summary"] if r["category"] != "all"})
     modes = [m for m in dict.fromkeys(r["mode"] for r in bench["summary"]) if m != "plain"]
@@ -137,8 +141,7 @@ def batch_section(bench: dict | None) -> list[str]:
     rows = [r for r in bench["summary"] if r["category"] == "all"]
     out += table(["T", "batch", "mode", "tok/s", "speedup", "acceptance", "τ", "same as plain"],
                  [[r["temperature"], r["batch_size"], r["mode"], f(r["tokens_per_s"]), f(r["speedup"], "%.2fx"),
-                   f(r.get("acceptance_rate")), f(r.get("tau")),
-                   {True: "yes", False: "**no**"}.get(r.get("identical_to_plain"), "–")] for r in rows]) + [""]
+                   f(r.get("acceptance_rate")), f(r.get("tau")), same(r)] for r in rows]) + [""]
     return out
 
 
@@ -155,7 +158,7 @@ def peer_section(bench: dict | None) -> list[str]:
         hf = rows.get((t, "hf plain"))
         body.append([t, mode, f(r["tokens_per_s"]), f(r["speedup"], "%.2fx"),
                      f(r["tokens_per_s"] / hf["tokens_per_s"] if hf else None, "%.2fx"),
-                     {True: "yes", False: "no"}.get(r.get("identical_to_plain"), "–")])
+                     same(r, no="no")])
     out += table(["T", "mode", "tok/s", "vs verispec plain", "vs hf plain", "same as verispec plain"], body)
     out += ["", "llama.cpp is not measured here (no `llama-cpp-python` build in this project yet); the brief's "
             "reference figure for this machine is ~15 tok/s plain decode of the 1.5B.", ""]

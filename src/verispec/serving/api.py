@@ -35,7 +35,7 @@ class ApiError(Exception):
 
 
 def invalid(err: InvalidRequest) -> ApiError:
-    return ApiError(400, str(err), "invalid_request_error", getattr(err, "param", None), getattr(err, "code", None))
+    return ApiError(400, str(err), "invalid_request_error", err.param, err.code)
 
 
 @dataclass
@@ -192,10 +192,10 @@ def create_app(config: ServerConfig, load: Callable[[], ServingEngine]) -> FastA
                     raise InvalidRequest("this model has no chat template; use /v1/completions", param="messages")
                 prompts = [llm.encode(llm.chat_prompt(parsed.messages))]
             else:
-                parsed = protocol.parse_completion(body, config.default_max_tokens)
+                parsed = protocol.parse_completion(body)
                 prompts = [llm.encode(p) for p in parsed.prompts]
         except InvalidRequest as err:
-            if getattr(err, "param", None) is None:
+            if err.param is None:
                 err.param = "messages" if kind == "chat" else "prompt"
             raise invalid(err) from None
         model = check_model(parsed.model)

@@ -134,8 +134,7 @@ class ServingEngine:
         ks = self._choose_ks()
         plan = self.scheduler.schedule(lambda entry: ks.get(entry.slot, 0))
         for e in plan.preempted:
-            self.proposer.release([e.slot])
-            self.target.cache.drop(e.slot)
+            self._free_caches(e)
         if plan.prefill:
             self._prefill(plan.prefill)
         if plan.decode:
@@ -196,10 +195,14 @@ class ServingEngine:
                            "accepted": m.accepted, "k_histogram": {str(k): v for k, v in sorted(m.k_histogram.items())}}
         sink(update)
 
-    def _leave(self, e: Entry) -> None:
-        self.scheduler.finish(e)
+    def _free_caches(self, e: Entry) -> None:
+        """Forget the entry's cache lengths and proposer state (its blocks are the scheduler's)."""
         self.proposer.release([e.slot])
         self.target.cache.drop(e.slot)
+
+    def _leave(self, e: Entry) -> None:
+        self.scheduler.finish(e)
+        self._free_caches(e)
         self.policy.forget_slot(e.slot)
         first = self._first_token.pop(e.slot, None)
         s = e.seq
@@ -216,8 +219,9 @@ class ServingEngine:
             sink = self._sinks.get(request_id)
             for e in entries:
                 self.scheduler.finish(e)
-                self.proposer.release([e.slot])
-                self.target.cache.drop(e.slot)
+                self._free_caches(e)
+                self.policy.forget_slot(e.slot)
+                self._first_token.pop(e.slot, None)
                 if sink is not None and not e.seq.finished:
                     sink(Update(request_id, e.seq.index, "", [], finish_reason="error", error=message))
         self._requests.clear()

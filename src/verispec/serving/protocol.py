@@ -84,7 +84,8 @@ def _model(body: dict) -> str | None:
     return model
 
 
-def parse_completion(body: dict, default_max_tokens: int) -> ParsedRequest:
+def parse_completion(body: dict) -> ParsedRequest:
+    """A /v1/completions body; max_tokens defaults to 16, as in OpenAI's API."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts: list = [prompt]

@@ -28,7 +28,6 @@ class Entry:
     arrival: float
     computed: int = 0             # tokens in the target's cache
     admitted: int = -1            # admission order (-1: waiting)
-    cancelled: bool = False
 
     @property
     def slot(self) -> int:
