@@ -22,7 +22,7 @@ def test_int8_gemm_matches_float64_reference(m, n, k):
     q, scale = quantize_int8(torch.randn(n, k))
     x = torch.randn(m, k)
     ref = (x.double() @ q.double().T) * scale.double()
-    out = kernels.int8_gemm(x, q, scale)
+    out = kernels.int8_gemm(x, kernels.pack_int8(q), scale)
     assert out.shape == (m, n) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
@@ -32,12 +32,30 @@ def test_int8_gemm_rows_do_not_depend_on_the_batch():
     """A row computed alone equals the same row inside any larger pass, bit for bit."""
     torch.manual_seed(0)
     q, scale = quantize_int8(torch.randn(257, 1536))
+    packed = kernels.pack_int8(q)
     x = torch.randn(23, 1536)
-    full = kernels.int8_gemm(x, q, scale)
+    full = kernels.int8_gemm(x, packed, scale)
     for i in (0, 5, 6, 22):
-        assert torch.equal(kernels.int8_gemm(x[i:i + 1].contiguous(), q, scale)[0], full[i])
-    for size in (2, 5, 7, 13):
-        assert torch.equal(kernels.int8_gemm(x[:size].contiguous(), q, scale), full[:size])
+        assert torch.equal(kernels.int8_gemm(x[i:i + 1].contiguous(), packed, scale)[0], full[i])
+    for size in (2, 3, 5, 7, 13):
+        assert torch.equal(kernels.int8_gemm(x[:size].contiguous(), packed, scale), full[:size])
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 7), (16, 3), (67, 33), (896, 96)])
+def test_int8_packing_round_trips_and_pads_with_zeros(n, k):
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    packed = kernels.pack_int8(q)
+    assert packed.shape == (-(-n // 16), k, 16)
+    assert torch.equal(kernels.unpack_int8(packed, n), q)
+    assert not packed.transpose(1, 2).reshape(-1, k)[n:].any()
+    assert torch.equal(packed[0, :, 0], q[0])                      # k-major: a block's column is contiguous in k
+
+
+@needs_kernel
+def test_int8_gemm_refuses_a_weight_of_another_shape():
+    q, scale = quantize_int8(torch.randn(40, 64))
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.int8_gemm(torch.randn(2, 64), q, scale)
 
 
 def test_int8_linear_falls_back_to_torch_kernel(monkeypatch):

@@ -75,7 +75,7 @@ def _load():
             return None
     try:
         lib = ctypes.CDLL(str(lib_path))
-        if lib.verispec_kernels_abi() != 5:
+        if lib.verispec_kernels_abi() != 6:
             raise OSError("ABI mismatch")
     except OSError as err:
         _status = f"unavailable: loading {lib_path} failed ({err})"
@@ -91,13 +91,34 @@ def available() -> bool:
     return _load() is not None
 
 
-def int8_gemm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x (M, K) float32 contiguous, weight (N, K) int8, scales (N,) float32 -> (M, N) float32."""
+BLOCK = 16                 # output columns per packed int8 block
+
+
+def pack_int8(weight: torch.Tensor) -> torch.Tensor:
+    """int8 (N, K) -> the kernel's layout (ceil(N/16), K, 16): for each k, a block's 16 weights are
+    contiguous; rows past N are zero."""
+    n, k = weight.shape
+    blocks = -(-n // BLOCK)
+    padded = torch.zeros(blocks * BLOCK, k, dtype=torch.int8)
+    padded[:n] = weight
+    return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_int8: (ceil(N/16), K, 16) -> (N, K)."""
+    blocks, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * BLOCK, k)[:n].contiguous()
+
+
+def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 contiguous, packed weight from pack_int8, scales (N,) float32 -> (M, N) float32."""
     lib = _load()
     m, k = x.shape
-    n = weight.shape[0]
+    n = scales.shape[0]
+    if packed.shape != (-(-n // BLOCK), k, BLOCK) or packed.dtype != torch.int8:
+        raise ValueError(f"int8_gemm: packed weight {tuple(packed.shape)} does not fit N={n}, K={k}")
     y = torch.empty(m, n, dtype=torch.float32)
-    lib.verispec_int8_gemm(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k,
+    lib.verispec_int8_gemm(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k,
                            torch.get_num_threads())
     return y
 

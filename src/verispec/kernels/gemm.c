@@ -3,108 +3,102 @@
  * int8: y (M, N) = x (M, K) · dequant(w)ᵀ, with w int8 (N, K) and per-output-channel fp32 scales:
  *   y[m, n] = scale[n] · Σ_k x[m, k] · w[n, k]        (fp32 activations, fp32 accumulation)
  *
- * Built for the shapes of decode and verify passes (M = a few rows) on AVX2 + FMA CPUs: each int8
- * weight is loaded and widened once per group of up to 6 activation rows and each activation load
- * feeds several weight rows, so a K+1-row verify pass costs little more than a 1-row decode step.
+ * The weight is packed k-major in blocks of 16 output columns (kernels.pack_int8): for each k the 16
+ * weights of a block are 16 contiguous bytes. A step widens them to two 8-lane fp32 vectors once,
+ * broadcasts x[m, k] for each activation row m and does one FMA per (row, vector): a weight comes
+ * from memory once per pass, and a K+1-row verify pass is bound by FMA throughput (M FMAs per 8
+ * weights) rather than by loads. A 1-row decode step is bound by reading the weights from memory.
  *
- * Row exactness: every row is computed with the same sequence of operations whatever M is and
- * however rows and columns are grouped or split across threads (the accumulation scheme depends on
- * the weight's shape only, never on M; then a fixed horizontal sum and a scalar tail). A token's logits then
- * do not depend on how many rows share the pass — a K+1 verify row equals a 1-row decode step
- * bit for bit, which keeps greedy speculative output identical to greedy plain output.
+ * Row exactness: every output is two chains of FMAs (even and odd k, in order), their sum, then one
+ * multiply by its scale — the same sequence of operations whatever M is and however rows and columns are
+ * grouped or split across threads. A token's logits then do not depend on how many rows share the
+ * pass: a K+1 verify row equals a 1-row decode step bit for bit, which keeps greedy speculative
+ * output identical to greedy plain output.
  */
 #include <immintrin.h>
 #include <stdint.h>
 
-#define MG 6            /* activation rows per group */
-#define LONG_K 4096     /* rows longer than this use the single-accumulator scheme */
+#define BLK 16          /* output columns per packed block */
+#define MG 6            /* activation rows per group: at most 12 accumulators + 2 registers */
+#define U _Pragma("GCC unroll 16")
+#define PF 32           /* prefetch distance in k steps (32 × 16 bytes ahead of the loads) */
 
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 sh = _mm_movehdup_ps(lo);
-    __m128 s = _mm_add_ps(lo, sh);
-    sh = _mm_movehl_ps(sh, s);
-    return _mm_cvtss_f32(_mm_add_ss(s, sh));
-}
-
+/* Packed weight wp: (ceil(N/16), K, 16) int8, zero rows past N; wp[(b·K + k)·16 + j] = w[16b + j, k]. */
 static inline __m256 widen8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* Scheme D (K <= LONG_K): two 8-lane accumulators per output, over k ≡ 0..7 and 8..15 (mod 16).
-   Scheme S (K > LONG_K): one 8-lane accumulator per output, over k in steps of 8; blocking NB
-   weight rows lets one activation load (from L2, since long rows do not fit L1) feed NB FMAs.
-   Either way an output is the same sequence of operations for any NB, MM or thread split. */
-#define KERNEL_D(NB, MM)                                                                          \
-    static void d_##NB##_##MM(const float *x, const int8_t *w, const float *scale, float *y,      \
-                              long N, long K, long n) {                                           \
-        __m256 a0[NB][MM], a1[NB][MM];                                                           \
-        for (int j = 0; j < NB; j++)                                                             \
-            for (int m = 0; m < MM; m++) a0[j][m] = a1[j][m] = _mm256_setzero_ps();              \
-        long kv = K - K % 16, k = 0;                                                             \
-        for (; k < kv; k += 16)                                                                  \
-            for (int j = 0; j < NB; j++) {                                                       \
-                __m256 w0 = widen8(w + (n + j) * K + k), w1 = widen8(w + (n + j) * K + k + 8);   \
-                for (int m = 0; m < MM; m++) {                                                   \
-                    a0[j][m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), a0[j][m]);   \
-                    a1[j][m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), a1[j][m]); \
+/* NV 8-column vectors from column c (a multiple of 8) for MM activation rows. Two accumulators per
+   output, over even and odd k, keep enough independent FMA chains in flight; y = (even + odd) · scale. */
+#define KERNEL_P(NV, MM)                                                                          \
+    static void p_##NV##_##MM(const float *x, const int8_t *wp, const float *scale, float *y,     \
+                              long N, long K, long c) {                                           \
+        const int8_t *bp[NV];                                                                    \
+        U for (int v = 0; v < NV; v++) {                                                         \
+            long cv = c + 8 * v;                                                                 \
+            bp[v] = wp + (cv / BLK) * K * BLK + cv % BLK;                                        \
+        }                                                                                        \
+        __m256 acc[2][NV][MM];                                                                   \
+        U for (int h = 0; h < 2; h++) U for (int v = 0; v < NV; v++)                             \
+            U for (int m = 0; m < MM; m++) acc[h][v][m] = _mm256_setzero_ps();                   \
+        long k = 0;                                                                              \
+        for (; k + 2 <= K; k += 2) {                                                             \
+            U for (int v = 0; v < NV; v += 2)                                                    \
+                _mm_prefetch((const char *)(bp[v] + (k + PF) * BLK), _MM_HINT_T0);               \
+            U for (int h = 0; h < 2; h++) {                                                      \
+                __m256 wv[NV];                                                                   \
+                U for (int v = 0; v < NV; v++) wv[v] = widen8(bp[v] + (k + h) * BLK);            \
+                U for (int m = 0; m < MM; m++) {                                                 \
+                    __m256 xb = _mm256_broadcast_ss(x + m * K + k + h);                          \
+                    U for (int v = 0; v < NV; v++)                                               \
+                        acc[h][v][m] = _mm256_fmadd_ps(wv[v], xb, acc[h][v][m]);                 \
                 }                                                                                \
             }                                                                                    \
-        for (int j = 0; j < NB; j++)                                                             \
-            for (int m = 0; m < MM; m++) {                                                       \
-                float sum = hsum(_mm256_add_ps(a0[j][m], a1[j][m]));                             \
-                for (long t = kv; t < K; t++) sum += x[m * K + t] * (float)w[(n + j) * K + t];   \
-                y[m * N + n + j] = sum * scale[n + j];                                           \
-            }                                                                                    \
-    }
-
-#define KERNEL_S(NB, MM)                                                                          \
-    static void s_##NB##_##MM(const float *x, const int8_t *w, const float *scale, float *y,      \
-                              long N, long K, long n) {                                           \
-        __m256 acc[NB][MM];                                                                      \
-        for (int j = 0; j < NB; j++)                                                             \
-            for (int m = 0; m < MM; m++) acc[j][m] = _mm256_setzero_ps();                        \
-        long kv = K - K % 8, k = 0;                                                              \
-        for (; k < kv; k += 8) {                                                                 \
-            __m256 wv[NB];                                                                       \
-            for (int j = 0; j < NB; j++) wv[j] = widen8(w + (n + j) * K + k);                    \
-            for (int m = 0; m < MM; m++) {                                                       \
-                __m256 xv = _mm256_loadu_ps(x + m * K + k);                                      \
-                for (int j = 0; j < NB; j++) acc[j][m] = _mm256_fmadd_ps(wv[j], xv, acc[j][m]);  \
+        }                                                                                        \
+        if (k < K) {                                                                             \
+            __m256 wv[NV];                                                                       \
+            U for (int v = 0; v < NV; v++) wv[v] = widen8(bp[v] + k * BLK);                      \
+            U for (int m = 0; m < MM; m++) {                                                     \
+                __m256 xb = _mm256_broadcast_ss(x + m * K + k);                                  \
+                U for (int v = 0; v < NV; v++) acc[0][v][m] = _mm256_fmadd_ps(wv[v], xb, acc[0][v][m]); \
             }                                                                                    \
         }                                                                                        \
-        for (int j = 0; j < NB; j++)                                                             \
-            for (int m = 0; m < MM; m++) {                                                       \
-                float sum = hsum(acc[j][m]);                                                     \
-                for (long t = kv; t < K; t++) sum += x[m * K + t] * (float)w[(n + j) * K + t];   \
-                y[m * N + n + j] = sum * scale[n + j];                                           \
-            }                                                                                    \
+        U for (int v = 0; v < NV; v++) {                                                         \
+            long cv = c + 8 * v, left = N - cv;                                                  \
+            __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left < 8 ? (int)left : 8),       \
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));        \
+            __m256 sc = _mm256_maskload_ps(scale + cv, mask);                                    \
+            U for (int m = 0; m < MM; m++)                                                       \
+                _mm256_maskstore_ps(y + m * N + cv, mask,                                        \
+                                    _mm256_mul_ps(_mm256_add_ps(acc[0][v][m], acc[1][v][m]), sc)); \
+        }                                                                                        \
     }
 
-KERNEL_D(1, 1) KERNEL_D(1, 2) KERNEL_D(1, 3) KERNEL_D(1, 4) KERNEL_D(1, 5) KERNEL_D(1, 6)
-KERNEL_S(4, 1) KERNEL_S(1, 1) KERNEL_S(4, 2) KERNEL_S(1, 2) KERNEL_S(3, 3) KERNEL_S(1, 3)
-KERNEL_S(3, 4) KERNEL_S(1, 4) KERNEL_S(2, 5) KERNEL_S(1, 5) KERNEL_S(2, 6) KERNEL_S(1, 6)
+KERNEL_P(4, 1) KERNEL_P(2, 1) KERNEL_P(2, 2) KERNEL_P(2, 3) KERNEL_P(1, 4) KERNEL_P(1, 5) KERNEL_P(1, 6)
 
 typedef void (*blk_fn)(const float *, const int8_t *, const float *, float *, long, long, long);
-struct scheme { blk_fn wide[MG + 1], narrow[MG + 1]; int width[MG + 1]; long tile, group; };
-static const struct scheme D = {{0, d_1_1, d_1_2, d_1_3, d_1_4, d_1_5, d_1_6},
-                                {0, d_1_1, d_1_2, d_1_3, d_1_4, d_1_5, d_1_6}, {0, 1, 1, 1, 1, 1, 1}, 64, 5};
-static const struct scheme S = {{0, s_4_1, s_4_2, s_3_3, s_3_4, s_2_5, s_2_6},
-                                {0, s_1_1, s_1_2, s_1_3, s_1_4, s_1_5, s_1_6}, {0, 4, 4, 3, 3, 2, 2}, 32, 6};
+/* By rows in a group: 16 columns at a time up to 3 rows, 8 (twice per block) for 4 … 6 rows. */
+static const blk_fn BY_ROWS[MG + 1] = {0, p_2_1, p_2_2, p_2_3, p_1_4, p_1_5, p_1_6};
+static const long COLS[MG + 1] = {0, 16, 16, 16, 8, 8, 8};
 
-int verispec_int8_gemm(const float *x, const int8_t *w, const float *scale, float *y,
+#define TILE 64         /* columns per thread work item */
+
+int verispec_int8_gemm(const float *x, const int8_t *wp, const float *scale, float *y,
                        long M, long N, long K, int threads) {
-    const struct scheme *sc = K > LONG_K ? &S : &D;     /* chosen by the weight's shape, never by M */
-    long tiles = (N + sc->tile - 1) / sc->tile;
+    long npad = (N + BLK - 1) / BLK * BLK;
+    long tiles = (npad + TILE - 1) / TILE, groups = (M + MG - 1) / MG;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long t = 0; t < tiles; t++) {
-        long n0 = t * sc->tile, n1 = n0 + sc->tile < N ? n0 + sc->tile : N;
-        for (long m0 = 0; m0 < M; m0 += sc->group) {      /* D: 6 rows would spill registers */
-            long mm = M - m0 < sc->group ? M - m0 : sc->group;
-            long nb = sc->width[mm], n = n0;
-            for (; n + nb <= n1; n += nb) sc->wide[mm](x + m0 * K, w, scale, y + m0 * N, N, K, n);
-            for (; n < n1; n++) sc->narrow[mm](x + m0 * K, w, scale, y + m0 * N, N, K, n);
-        }
+        long c0 = t * TILE, c1 = c0 + TILE < npad ? c0 + TILE : npad, c = c0;
+        if (M == 1)                              /* a decode step: 32 columns at a time */
+            for (; c + 32 <= c1; c += 32) p_4_1(x, wp, scale, y, N, K, c);
+        for (; c < c1; c += BLK)                 /* each 16-column block, rows in near-equal groups */
+            for (long g = 0, m0 = 0; g < groups; g++) {
+                long mm = (M - m0) / (groups - g) + ((M - m0) % (groups - g) != 0);
+                for (long cc = c; cc < c + BLK; cc += COLS[mm])
+                    BY_ROWS[mm](x + m0 * K, wp, scale, y + m0 * N, N, K, cc);
+                m0 += mm;
+            }
     }
     return 0;
 }
@@ -116,6 +110,14 @@ int verispec_int8_gemm(const float *x, const int8_t *w, const float *scale, floa
  * weights run in int4 with no loss against the file. Same row-exactness rule as above: each output
  * is one fixed sequence of operations whatever M is.
  */
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 sh = _mm_movehdup_ps(lo);
+    __m128 s = _mm_add_ps(lo, sh);
+    sh = _mm_movehl_ps(sh, s);
+    return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+
 #define G4 32
 #define MG4 4
 
@@ -189,4 +191,4 @@ int verispec_int4_gemm(const float *x, const uint8_t *q, const float *scale, con
 }
 
 /* Lets the loader check that the library it opened is this file's build. */
-int verispec_kernels_abi(void) { return 5; }
+int verispec_kernels_abi(void) { return 6; }

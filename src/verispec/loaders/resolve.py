@@ -97,8 +97,11 @@ def load_model(arg: str | Path, dtype: str | torch.dtype = "auto", device: str =
     return LoadedModel(name, model, tok, path, time.perf_counter() - start, cold)
 
 
+QUANT_LAYOUT = 2            # bump when a quantized layer's saved layout changes (2: packed int8 blocks)
+
+
 def _quant_file(quant: str | None) -> str:
-    return f"model.{quant}.safetensors"
+    return f"model.{quant}.v{QUANT_LAYOUT}.safetensors"
 
 
 def _quantize_and_cache(model: Transformer, quant: str, prepared: Path | None) -> None:
@@ -109,6 +112,9 @@ def _quantize_and_cache(model: Transformer, quant: str, prepared: Path | None) -
         tmp = target.with_suffix(".tmp")
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
         tmp.rename(target)
+        for stale in prepared.glob(f"model.{quant}.*safetensors"):     # caches in an older layout
+            if stale != target:
+                stale.unlink(missing_ok=True)
 
 
 def _prepare_gguf(path: Path, prepared: Path, dtype: torch.dtype, device: str, progress: bool):
@@ -162,8 +168,8 @@ def load_directory(directory: Path, dtype: torch.dtype, device: str,
     cached = directory / _quant_file(quant)
     if quant is not None and meta_path.is_file() and cached.is_file():
         return build_quantized(cfg, _read_safetensors([cached]), quant, device, directory), tok
-    quant_files = {_quant_file(q) for q in QUANTIZED}
-    files = [f for f in sorted(directory.glob("*.safetensors")) if f.name not in quant_files]
+    files = [f for f in sorted(directory.glob("*.safetensors"))
+             if not f.name.startswith(tuple(f"model.{q}." for q in QUANTIZED))]     # any layout's quant cache
     if not files:
         raise InvalidModelFile(directory, "no *.safetensors weight files")
     model = build_model(cfg, _read_safetensors(files), dtype, device, directory)

@@ -1,9 +1,9 @@
 """Weight-only quantization as a swapped linear: the model file never sees it (gpt-fast style).
 
-int8: symmetric per-output-channel scales, weights stored as int8 (N, K). On CPUs with AVX2 + FMA
-the matmul runs in verispec's own small-M kernel (verispec/kernels/int8_gemm.c: fp32 activations,
-weights read once per group of rows, row-exact); elsewhere in `torch.ops.aten._weight_int8pack_mm`
-with bf16 activations. Everything around the linears (norms, RoPE, attention, residuals) keeps the
+int8: symmetric per-output-channel scales, weights stored int8 in the native kernel's packed layout
+(16 output columns per block, k-major; `kernels.pack_int8`). On CPUs with AVX2 + FMA the matmul runs
+in verispec's own small-M kernel (verispec/kernels/gemm.c: fp32 activations, each weight read once
+per pass, row-exact); elsewhere in `torch.ops.aten._weight_int8pack_mm` with bf16 activations. Everything around the linears (norms, RoPE, attention, residuals) keeps the
 model's dtype.
 
 int4 (`--dtype int4`): groups of 32 along K with a scale and a minimum each, w = min + q · scale,
@@ -33,30 +33,33 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
+    """int8 weight (per-channel scales) stored in the native kernel's packed layout."""
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         q, scale = quantize_int8(linear.weight.detach())
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", q)                                   # (N, K) int8
-        self.register_buffer("scales", scale.to(torch.bfloat16))           # (N,)
+        self.register_buffer("weight", kernels.pack_int8(q))               # (ceil(N/16), K, 16) int8
+        self.register_buffer("scales", scale)                               # (N,) float32
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
-        self._scales_f32: torch.Tensor | None = None
+        self._torch_weight: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape                                                     # (..., K)
         x2 = x.reshape(-1, shape[-1])                                       # (M, K)
         if x2.device.type == "cpu" and kernels.available():
-            if self._scales_f32 is None:
-                self._scales_f32 = self.scales.float().contiguous()
-            y = kernels.int8_gemm(x2.float().contiguous(), self.weight, self._scales_f32).to(x.dtype)   # (M, N)
+            y = kernels.int8_gemm(x2.float().contiguous(), self.weight, self.scales).to(x.dtype)   # (M, N)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales).to(x.dtype)
+            if self._torch_weight is None:                                  # torch's kernel: row-major, bf16 scales
+                self._torch_weight = (kernels.unpack_int8(self.weight, self.out_features),
+                                      self.scales.to(torch.bfloat16))
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), *self._torch_weight).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        return self.weight.float() * self.scales.float()[:, None]
+        return kernels.unpack_int8(self.weight, self.out_features).float() * self.scales[:, None]
 
 
 def quantize_int4(weight: torch.Tensor, tol: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
