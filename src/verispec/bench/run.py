@@ -197,11 +197,11 @@ def format_table(result: dict) -> str:
     c = result["costs"]
     lines = ["measured costs: " + ", ".join(f"c_p({n})={v * 1e3:.0f}ms" for n, v in c["c_p"].items())
              + (f", c_q={c['c_q_draft'] * 1e3:.0f}ms (draft/target {c['draft_to_target']:.2f})" if c["c_q_draft"] else "")]
-    hdr = f"{'T':>4} {'bs':>3} {'category':<14} {'mode':<12} {'tok/s':>7} {'speedup':>8} {'pred':>6} {'accept':>7} {'tau':>5} {'pred_tau':>8} {'alpha':>6} {'same':>5}"
+    hdr = f"{'T':>4} {'bs':>3} {'category':<14} {'mode':<16} {'tok/s':>7} {'speedup':>8} {'pred':>6} {'accept':>7} {'tau':>5} {'pred_tau':>8} {'alpha':>6} {'same':>5}"
     lines += [hdr, "-" * len(hdr)]
     f = lambda v, fmt: (fmt % v) if isinstance(v, (int, float)) else "-"
     for r in result["summary"]:
-        lines.append(f"{r['temperature']:>4} {r['batch_size']:>3} {r['category']:<14} {r['mode']:<12} "
+        lines.append(f"{r['temperature']:>4} {r['batch_size']:>3} {r['category']:<14} {r['mode']:<16} "
                      f"{f(r['tokens_per_s'], '%.2f'):>7} {f(r['speedup'], '%.2fx'):>8} {f(r.get('predicted_speedup'), '%.2fx'):>6} "
                      f"{f(r.get('acceptance_rate'), '%.0f%%' if False else '%.2f'):>7} {f(r.get('tau'), '%.2f'):>5} "
                      f"{f(r.get('predicted_tau'), '%.2f'):>8} {f(r.get('alpha'), '%.2f'):>6} "

@@ -44,10 +44,11 @@ def add_parser(sub) -> None:
     p.add_argument("--json", dest="json_file", default=None, help="write every raw number to this file")
     p.add_argument("--markdown", default=None, help="write a Markdown report (command, costs, table) to this file")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots to this directory")
-    p.add_argument("--peer", choices=["hf"], action="append", default=[],
-                   help="also run a peer on the same prompts in the same run: 'hf' = transformers generate() "
-                        "plain, with the draft as assistant_model, and with prompt lookup (float32; needs "
-                        "transformers + accelerate)")
+    p.add_argument("--peer", choices=["hf", "llamacpp"], action="append", default=[],
+                   help="also run a peer on the same prompts in the same run (repeatable): 'hf' = transformers "
+                        "generate() plain, with the draft as assistant_model, and with prompt lookup (float32; "
+                        "needs transformers + accelerate); 'llamacpp' = llama.cpp plain and prompt lookup on the "
+                        "same GGUF file and thread count (needs llama-cpp-python: pip install 'verispec[llamacpp]')")
     p.set_defaults(run=run)
 
 
@@ -76,7 +77,18 @@ def run(args) -> int:
         if draft is None:
             draft = load_model(args.draft or DEFAULT_DRAFT, args.dtype, args.device, progress=True)
         print("loading the transformers peer (float32) …", file=sys.stderr, flush=True)
-        peers = hf_peers(target, draft, target.tokenizer.stop_token_ids if target.tokenizer else [0])
+        peers += hf_peers(target, draft, target.tokenizer.stop_token_ids if target.tokenizer else [0])
+    if "llamacpp" in args.peer:
+        import torch
+
+        from verispec.bench.peers import llamacpp_peers
+        from verispec.engine.llm import LLM
+
+        print("loading the llama.cpp peer …", file=sys.stderr, flush=True)
+        render = LLM(target, proposer="none")
+        longest = max(len(render.encode(p.render(render))) for p in prompts)
+        peers += llamacpp_peers(target, target.tokenizer.stop_token_ids if target.tokenizer else [0],
+                                longest + args.max_tokens + 16, torch.get_num_threads())
     with progress_bar() as progress:
         result = run_bench(target, draft, prompts, modes, _floats(args.temperatures), args.max_tokens,
                            args.repeats, _ints(args.batch_sizes), peers=peers, progress=progress)
