@@ -95,3 +95,32 @@ def test_hf_peer_runs_in_the_same_bench(tmp_path):
     for label in ("hf plain", "hf assisted", "hf lookup"):
         assert rows[label]["identical_to_plain"] is True and rows[label]["speedup"] > 0
     assert "hf lookup" in format_markdown(result)
+
+
+def test_llamacpp_peer_errors_say_what_to_do(tmp_path, monkeypatch):
+    import sys
+
+    from verispec.bench.peers import llamacpp_peers
+
+    gguf = LoadedModel("m", None, None, tmp_path / "m.gguf", 0.0, False)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)          # as if the package were not installed
+    with pytest.raises(VerispecError, match=r"pip install 'verispec\[llamacpp\]'"):
+        llamacpp_peers(gguf, [0], 64, 2)
+    with pytest.raises(VerispecError, match="GGUF files only"):
+        llamacpp_peers(LoadedModel("m", None, None, tmp_path / "dir", 0.0, False), [0], 64, 2)
+
+
+@pytest.mark.real
+def test_llamacpp_peer_on_the_real_draft(real_pair):
+    """llama.cpp runs the embedded 0.5B GGUF in the same bench; its prompt lookup is lossless at greedy."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install 'verispec[llamacpp]')")
+    from verispec.bench.peers import llamacpp_peers
+
+    _, draft = real_pair
+    stop = draft.tokenizer.stop_token_ids
+    plain, lookup = llamacpp_peers(draft, stop, 256, 2)
+    ids = draft.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")
+    a = plain.generate([ids], 0.0, 12, 0)[0]
+    b = lookup.generate([ids], 0.0, 12, 0)[0]
+    assert a["generated_tokens"] == 12 and a["token_ids"] == b["token_ids"]
+    assert "return a - b" in draft.tokenizer.decode(a["token_ids"])

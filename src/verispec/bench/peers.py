@@ -118,15 +118,15 @@ class LlamaCppPeer:
 
 def llamacpp_peers(target: LoadedModel, stop_ids: list[int], context: int, threads: int) -> list[LlamaCppPeer]:
     """context: the longest prompt plus max_tokens (lookup keeps logits for every position)."""
+    src = Path(target.source)
+    if src.suffix != ".gguf":
+        raise VerispecError(f"--peer llamacpp reads GGUF files only; {src} is not one")
     try:
         import llama_cpp
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
         raise VerispecError("--peer llamacpp needs llama-cpp-python: pip install 'verispec[llamacpp]' "
                             "(it compiles llama.cpp once, about 10 minutes on 2 cores)") from None
-    src = Path(target.source)
-    if src.suffix != ".gguf":
-        raise VerispecError(f"--peer llamacpp reads GGUF files only; {src} is not one")
     common = dict(model_path=str(src), n_ctx=context, n_batch=min(context, 512), n_threads=threads,
                   n_threads_batch=threads, verbose=False)
     return [LlamaCppPeer("plain", llama_cpp.Llama(**common), stop_ids),
