@@ -88,7 +88,7 @@ def test_quantized_tensor_types_dequantize(tmp_path):
     for qtype in (Q.Q8_0, Q.Q4_0, Q.F16):
         path = write_tiny_gguf(tmp_path / f"m-{qtype.name}.gguf", qtype=qtype)
         m = load_model(path, dtype="float32")
-        assert m.model.model.layers[0].mlp.up_proj.weight.abs().sum() > 0
+        assert m.model.model.layers[0].mlp.gate_up_proj.weight.abs().sum() > 0
 
 
 def test_truncated_file(tmp_path):

@@ -97,7 +97,8 @@ def load_model(arg: str | Path, dtype: str | torch.dtype = "auto", device: str =
     return LoadedModel(name, model, tok, path, time.perf_counter() - start, cold)
 
 
-QUANT_LAYOUT = 2            # bump when a quantized layer's saved layout changes (2: packed int8 blocks)
+QUANT_LAYOUT = 3            # bump when a quantized model's saved layout changes (2: packed int8 blocks,
+                            # 3: fused qkv_proj and gate_up_proj)
 
 
 def _quant_file(quant: str | None) -> str:

@@ -53,22 +53,37 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _fuse(fused: str, parts: tuple[str, ...]):
+    """A load_state_dict pre-hook: checkpoints name the projections apart (q_proj, k_proj, v_proj;
+    gate_proj, up_proj); the model holds each group as one linear, so a pass makes one matmul call
+    per group. Rows are concatenated in `parts` order; a state dict already fused passes through."""
+
+    def hook(module, state, prefix, *_):
+        for kind in ("weight", "bias"):
+            names = [f"{prefix}{p}.{kind}" for p in parts]
+            if all(n in state for n in names):
+                state[f"{prefix}{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+
+    return hook
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         c, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(c, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(c, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(c, self.n_kv * self.head_dim, bias=bias)
+        self.split = [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim]
+        self.qkv_proj = nn.Linear(c, sum(self.split), bias=bias)            # q, k, v in one matmul
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, c, bias=False)
+        self.register_load_state_dict_pre_hook(_fuse("qkv_proj", ("q_proj", "k_proj", "v_proj")))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CacheView) -> torch.Tensor:
         b, t, _ = x.shape                                                     # (B, T, C)
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)   # (B, H, T, D)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)      # (B, H_kv, T, D)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)        # (B, H, T, D)
+        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)           # (B, H_kv, T, D)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         keys, values = cache.update(self.layer, k, v)                         # (B, H_kv, S, D)
@@ -96,12 +111,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.register_load_state_dict_pre_hook(_fuse("gate_up_proj", ("gate_proj", "up_proj")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                      # (B, T, I) each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
