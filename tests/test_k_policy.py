@@ -151,3 +151,39 @@ def test_a_batch_shares_one_k_and_stops_speculating_when_width_costs_too_much():
     for n in range(1, 6):
         dear.costs.record_verify(n, float(n), batch=4)      # every extra row costs a full pass
     assert dear.choose_round(seqs(4), ["ngram"] * 4) == [0, 0, 0, 0]
+
+
+def test_a_draft_catch_up_is_paid_only_when_the_remaining_tokens_repay_it():
+    """A 600-token prompt the draft has not seen: with 20 tokens left, prefilling it into the draft
+    costs more than speculation saves (K = 0); with 2000 left it pays (K > 0). Same for probes."""
+    p = KPolicy("auto", k_max=4)
+    for n in range(1, 6):
+        p.costs.record_verify(n, 0.1 * (1 + 0.2 * (n - 1)))
+    p.costs.record_propose("draft", 1, 0.02)
+    p.costs.record_catchup("draft", 600, 600 * 0.02)          # 20 ms per prompt token
+    assert p.costs.c_catchup("draft") == pytest.approx(0.02)
+    assert p.choose(0, "draft", remaining=2000) > 0                # nothing to catch up
+    assert p.choose(1, "draft", remaining=20, backlog=600) == 0
+    assert p.choose(2, "draft", remaining=2000, backlog=600) > 0
+    probing = KPolicy("auto", k_max=4)
+    probing.costs.record_verify(1, 1.0)
+    for n in range(2, 6):
+        probing.costs.record_verify(n, float(n))
+    probing.costs.record_propose("draft", 1, 0.45)
+    probing.costs.record_catchup("draft", 100, 10.0)               # catching up costs a plain step per token
+    assert all(probing.choose(0, "draft", remaining=40, backlog=100) == 0 for _ in range(40))
+
+
+def test_a_batch_does_not_start_drafting_when_catch_ups_cost_more_than_they_save():
+    from types import SimpleNamespace
+
+    from verispec.engine.params import SamplingParams
+
+    p = KPolicy("auto", k_max=4)
+    for n in range(1, 6):
+        p.costs.record_verify(n, 0.1 * (1 + 0.1 * (n - 1)), batch=2)
+    p.costs.record_propose("draft", 1, 0.01)
+    p.costs.record_catchup("draft", 1, 0.02)
+    seqs = [SimpleNamespace(slot=i, generated=[], params=SamplingParams(temperature=0, max_tokens=30)) for i in (0, 1)]
+    assert p.choose_round(seqs, ["draft", "draft"]) != [0, 0]
+    assert p.choose_round(seqs, ["draft", "draft"], backlogs=[800, 800]) == [0, 0]

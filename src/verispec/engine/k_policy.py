@@ -13,6 +13,14 @@ rate a this is the DESIGN formula E = (1 − a^{K+1}) / (1 − a).
 Costs are measured on the fly (exponential moving averages of every verify pass and proposal);
 widths not yet measured are extrapolated from c_p(1) with a prior slope, optimistic enough to be
 tried once and then known.
+
+A proposer may first have to catch up — the draft model prefills a sequence's prompt (and any
+tokens it skipped during K = 0 rounds) the first time it drafts for it. That one-off cost is paid
+only when speculating over the tokens still to generate saves more than it costs:
+
+    remaining · (c_p(1) − (K·c_q + c_p(K+1)) / E(K))  >  backlog · c_catchup
+
+so a long prompt with a short answer is decoded plainly rather than prefilled twice.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ SHARED_EMA = 0.05         # weight of one sequence's round in the shared (cross-
 # sample a seed produces — must not depend on timings. Close to the int8 profile in PERFORMANCE.md.
 STATIC_SLOPE = 0.2
 STATIC_C_Q = {"draft": 0.4}
+CATCHUP_PRIOR = 0.2       # unmeasured catch-up cost per token, as a fraction of the proposer's c_q
+STATIC_CATCHUP = {"draft": 0.1}
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -50,6 +60,11 @@ def choose_k(rates: list[float], c_p, c_q: float, k_max: int) -> int:
     return best_k
 
 
+def saving(rates: list[float], k: int, c_p, c_q: float, remaining: int) -> float:
+    """Seconds that K-token speculation is expected to save over `remaining` tokens vs plain decoding."""
+    return remaining * (c_p(1) - (k * c_q + c_p(k + 1)) / expected_tokens(rates, k))
+
+
 def batch_bucket(batch: int) -> int:
     """Costs are kept per power-of-two batch size (1, 2, 4, 8, …): a wide batch turns compute-bound
     sooner, so c_p(n)/c_p(1) grows with it and K should shrink."""
@@ -62,6 +77,7 @@ class CostModel:
 
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
     propose: dict[str, float] = field(default_factory=dict)
+    catchup: dict[str, float] = field(default_factory=dict)      # seconds per token ingested
 
     def record_verify(self, width: int, seconds: float, batch: int = 1) -> None:
         key = (batch_bucket(batch), width)
@@ -74,6 +90,16 @@ class CostModel:
         per = seconds / tokens
         old = self.propose.get(source)
         self.propose[source] = per if old is None else (1 - EMA) * old + EMA * per
+
+    def record_catchup(self, source: str, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        per = seconds / tokens
+        old = self.catchup.get(source)
+        self.catchup[source] = per if old is None else (1 - EMA) * old + EMA * per
+
+    def c_catchup(self, source: str) -> float:
+        return self.catchup.get(source, CATCHUP_PRIOR * self.c_q(source))
 
     def c_p(self, n: int, batch: int = 1) -> float:
         bucket = batch_bucket(batch)
@@ -137,9 +163,10 @@ class KPolicy:
         self.shared: dict[tuple[str, str], list[float]] = {}
 
     def choose(self, slot: int, source: str, remaining: int, batch: int = 1, reproducible: bool = False,
-               greedy: bool = True) -> int:
+               greedy: bool = True, backlog: int = 0) -> int:
         """K for this sequence's next round in a round of `batch` sequences; never more drafts than
-        tokens left to generate − 1.
+        tokens left to generate − 1. backlog: tokens the proposer must first catch up on (see the
+        module docstring); K stays 0 while that would cost more than speculating saves.
 
         reproducible: use fixed STATIC costs and the fixed prior instead of measured costs and the
         shared prior, so the K schedule depends only on the sequence's own acceptance history
@@ -156,9 +183,14 @@ class KPolicy:
             shared = None if reproducible else self.shared.get((source, regime))
             est = self.estimates[(slot, source)] = AcceptanceEstimate.prior(source, self.k_max, shared, regime)
         if reproducible:
-            k = choose_k(est.rates, lambda n: 1.0 + STATIC_SLOPE * (n - 1), STATIC_C_Q.get(source, 0.0), self.k_max)
+            c_p, c_q = (lambda n: 1.0 + STATIC_SLOPE * (n - 1)), STATIC_C_Q.get(source, 0.0)
+            catchup = backlog * STATIC_CATCHUP.get(source, 0.0)
         else:
-            k = choose_k(est.rates, lambda n: self.costs.c_p(n, batch), self.costs.c_q(source), self.k_max)
+            c_p, c_q = (lambda n: self.costs.c_p(n, batch)), self.costs.c_q(source)
+            catchup = backlog * self.costs.c_catchup(source)
+        k = choose_k(est.rates, c_p, c_q, self.k_max)
+        if k > 0 and backlog and saving(est.rates, k, c_p, c_q, remaining) <= catchup:
+            k = 0
         if k > 0:
             est.probe_every, est.probing = PROBE_EVERY, False
             return min(k, cap)
@@ -166,25 +198,31 @@ class KPolicy:
             est.probe_every, est.probing = min(2 * est.probe_every, PROBE_MAX), False
         est.zero_rounds += 1
         if est.zero_rounds >= est.probe_every:
-            est.zero_rounds, est.probing, k = 0, True, 1
+            # A probe that needs a catch-up must pay off at the prior acceptance rate.
+            prior = AcceptanceEstimate.prior(source, 1).rates
+            if not backlog or saving(prior, 1, c_p, c_q, remaining) > catchup:
+                est.zero_rounds, est.probing, k = 0, True, 1
         return min(k, cap)
 
-    def choose_round(self, seqs: list, sources: list[str], batch: int | None = None) -> list[int]:
+    def choose_round(self, seqs: list, sources: list[str], batch: int | None = None,
+                     backlogs: list[int] | None = None) -> list[int]:
         """K for every sequence of one batched round.
 
         A batched verify pass is as wide as its widest row (shorter rows are padded), so one
         sequence's K costs the whole batch. Alone, a sequence chooses its own K (choose); in a
         batch, one K is chosen for all as argmax Σ_b E_b(K) / (K·c_q + c_p(K+1, B)) — K = 0 as soon
         as the batch is wide enough that speculation stops paying. Seeded sampled sequences keep
-        their own timing-free schedule (see choose)."""
+        their own timing-free schedule (see choose). backlogs: per sequence, the proposer's catch-up
+        (Proposer.backlog); speculation must save more than the batch's catch-ups cost."""
         batch = batch or len(seqs)
+        backlogs = backlogs or [0] * len(seqs)
         remaining = [s.params.max_tokens - len(s.generated) for s in seqs]
         if len(seqs) == 1 or not self.auto:
-            return [self.choose(s.slot, src, r, batch, s.params.reproducible, s.params.greedy)
-                    for s, src, r in zip(seqs, sources, remaining)]
+            return [self.choose(s.slot, src, r, batch, s.params.reproducible, s.params.greedy, bl)
+                    for s, src, r, bl in zip(seqs, sources, remaining, backlogs)]
         joint = [i for i, s in enumerate(seqs) if not s.params.reproducible and sources[i] != "none"]
-        ks = [self.choose(s.slot, src, r, batch, True, s.params.greedy) if i not in joint else 0
-              for i, (s, src, r) in enumerate(zip(seqs, sources, remaining))]
+        ks = [self.choose(s.slot, src, r, batch, True, s.params.greedy, bl) if i not in joint else 0
+              for i, (s, src, r, bl) in enumerate(zip(seqs, sources, remaining, backlogs))]
         if not joint:
             return ks
         ests = []
@@ -203,6 +241,12 @@ class KPolicy:
                         for e, i in zip(ests, joint)) / (k * c_q + self.costs.c_p(k + 1, batch))
             if value > best * (1 + 1e-9):
                 best_k, best = k, value
+        catchup = sum(backlogs[i] * self.costs.c_catchup(sources[i]) for i in joint)
+        if best_k and catchup:
+            # Tokens per second with speculation (best) vs without (plain), over all tokens still to come.
+            plain = len(joint) / self.costs.c_p(1, batch)
+            if sum(remaining[i] for i in joint) * (1 / plain - 1 / best) <= catchup:
+                best_k = 0
         lead = ests[0]                          # the batch's probing state rides on its first sequence
         if best_k == 0:
             if lead.probing:

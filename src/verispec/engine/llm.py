@@ -181,7 +181,7 @@ class LLM:
         self.policy.forget()
         while active:
             sources = [proposer.source_for(s) for s in active]
-            ks = self.policy.choose_round(active, sources)
+            ks = self.policy.choose_round(active, sources, backlogs=[proposer.backlog(s) for s in active])
             report = speculative_round(active, target, proposer, ks)
             self.learn(active, report)
             now = time.perf_counter()
@@ -201,6 +201,8 @@ class LLM:
         costs.record_verify(report.width, report.verify_s, len(seqs))
         for source, (steps, seconds) in report.steps.items():
             costs.record_propose(source, steps, seconds)
+        for source, (tokens, seconds) in (report.catchup or {}).items():
+            costs.record_catchup(source, tokens, seconds)
         for s, src, k, n in zip(seqs, report.sources, report.num_draft, report.num_accepted):
             self.policy.observe(s.slot, src, k, n)
 

@@ -24,6 +24,7 @@ class RoundReport:
     width: int                                  # tokens per row in the verify pass (K_max + 1)
     verify_s: float
     steps: dict[str, tuple[int, float]]         # proposer source -> (steps, seconds)
+    catchup: dict[str, tuple[int, float]] | None = None   # source -> (tokens, seconds) of one-off prefill
 
 
 def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Proposer, ks: list[int]) -> RoundReport:
@@ -73,7 +74,7 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
             s.metrics.sources[src] = s.metrics.sources.get(src, 0) + 1
     steps = proposal.steps or {proposer.name: (max(num_draft, default=0), t1 - t0)}
     return RoundReport(num_draft, result.num_accepted.tolist(), sources, max(num_draft, default=0) + 1,
-                       t2 - t1, steps)
+                       t2 - t1, steps, proposal.catchup)
 
 
 def _accept(seqs: list[Sequence], logits: torch.Tensor, proposal: Proposal) -> AcceptanceResult:

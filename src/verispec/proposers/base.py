@@ -20,6 +20,7 @@ class Proposal:
                                     # None = point mass (no probabilities)
     source: list[str] | None = None  # per row, which proposer produced it (hybrid proposers)
     steps: dict[str, tuple[int, float]] | None = None  # source -> (proposal steps, seconds), for the cost model
+    catchup: dict[str, tuple[int, float]] | None = None  # source -> (tokens ingested, seconds): one-off prefill
 
 
 class Proposer(ABC):
@@ -35,6 +36,11 @@ class Proposer(ABC):
         """Before the first round: make_runner(model) gives a ModelRunner over a cache the engine
         sized (static for a batch, paged for the server). Sequences may join at any round; a
         proposer catches up on tokens it has not seen when it first drafts for them."""
+
+    def backlog(self, seq: "Sequence") -> int:
+        """Tokens this proposer would first have to ingest (a one-off catch-up) before it can draft
+        for seq — the K policy weighs that cost against what speculating would save."""
+        return 0
 
     @abstractmethod
     def propose(self, seqs: list["Sequence"], ks: list[int]) -> Proposal:

@@ -31,6 +31,10 @@ class DraftModelProposer(Proposer):
     def start(self, make_runner):
         self.runner = make_runner(self.draft)
 
+    def backlog(self, seq) -> int:
+        unseen = len(seq.tokens) - (self.runner.length(seq.slot) if self.runner is not None else 0)
+        return unseen if unseen > 2 else 0          # 1–2 unseen tokens are part of a normal step
+
     def _align(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits (B, 1, V_d) on the target's vocabulary (padding rows beyond it never proposed)."""
         v_d, v_t = logits.shape[-1], self.target_vocab
@@ -54,7 +58,8 @@ class DraftModelProposer(Proposer):
         gens = [s.generator for s in seqs]
         # Catch up (lazy prefill) on all but the pending token where more than a round's worth is unseen.
         t0 = time.perf_counter()
-        behind = [s for s, k in zip(seqs, ks) if k and len(s.tokens) - self.runner.length(s.slot) > 2]
+        behind = [s for s, k in zip(seqs, ks) if k and self.backlog(s)]
+        caught = sum(self.backlog(s) for s in behind)
         if behind:
             self.runner.extend([s.slot for s in behind], [s.tokens for s in behind])
         t1 = time.perf_counter()
@@ -79,7 +84,8 @@ class DraftModelProposer(Proposer):
         self.written = {s.slot: self.runner.length(s.slot) for s in seqs}
         # The cost model gets the per-token drafting cost; catching up after K = 0 rounds is a
         # one-off that would otherwise make drafting look dearer than it is and keep K at 0.
-        return Proposal(tokens, torch.tensor(ks), q, steps={"draft": (k_max, time.perf_counter() - t1)})
+        return Proposal(tokens, torch.tensor(ks), q, steps={"draft": (k_max, time.perf_counter() - t1)},
+                        catchup={"draft": (caught, t1 - t0)} if caught else None)
 
     def observe(self, seqs, num_accepted):
         for s in seqs:

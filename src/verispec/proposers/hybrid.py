@@ -33,6 +33,9 @@ class HybridProposer(Proposer):
     def source_for(self, seq) -> str:
         return "ngram" if self._lookup(seq) else "draft"
 
+    def backlog(self, seq) -> int:
+        return self.draft.backlog(seq) if self.source_for(seq) == "draft" else 0
+
     def start(self, make_runner):
         self.draft.start(make_runner)
 
@@ -62,7 +65,7 @@ class HybridProposer(Proposer):
         steps = {"ngram": (1, t1 - t0)}
         if max(draft_ks, default=0):
             steps["draft"] = from_draft.steps["draft"]          # drafting time without the catch-up
-        return Proposal(tokens, num, q, sources, steps)
+        return Proposal(tokens, num, q, sources, steps, from_draft.catchup)
 
     def observe(self, seqs, num_accepted):
         self.draft.observe(seqs, num_accepted)

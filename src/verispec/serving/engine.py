@@ -146,7 +146,8 @@ class ServingEngine:
         ready = [e.seq for e in self.scheduler.admitted if e.prefilled]
         if not ready:
             return {}
-        ks = self.policy.choose_round(ready, [self.proposer.source_for(s) for s in ready])
+        ks = self.policy.choose_round(ready, [self.proposer.source_for(s) for s in ready],
+                                      backlogs=[self.proposer.backlog(s) for s in ready])
         return {s.slot: k for s, k in zip(ready, ks)}
 
     def _prefill(self, parts: list[tuple[Entry, int, int]]) -> None:
