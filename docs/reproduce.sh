@@ -19,6 +19,10 @@ verispec bench --modes ngram --ks auto --batch-sizes 1,4 --limit 4 --max-tokens 
 # Hugging Face transformers on the same prompts and weights, in the same run.
 verispec bench --peer hf --modes ngram --ks auto --limit 3 --max-tokens 24 \
     --json $R/bench-peer.json --markdown $R/bench-peer.md
+# llama.cpp (llama-cpp-python, built from source once) on the same GGUF files and threads, whole suite.
+python -c "import llama_cpp" 2>/dev/null || pip install -e '.[llamacpp]'
+verispec bench --peer llamacpp --modes ngram,hybrid --ks auto --max-tokens 64 \
+    --json $R/bench-llamacpp.json --markdown $R/bench-llamacpp.md
 # Weight formats: decode speed, quality against fp32, peak RSS of the pair.
 python docs/measure_formats.py --out $R/formats.json
 # Losslessness certificate on the real pair (0.5B drafts for the 1.5B, K = 4, T = 0.8).
