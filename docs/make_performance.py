@@ -120,9 +120,10 @@ def costs_section(profile: dict | None) -> list[str]:
     out += ["Command: `verispec profile --json docs/results/profile.json` (one 1.5B pass over n new tokens "
             "after 128 cached, median of repeats).", ""]
     ns = [n for n in (1, 2, 3, 4, 5, 6, 9, 12, 16) if n in c_p]
-    out += ["Passes of 6–11 rows take a second sweep over the weights in the int8 kernel (groups of ≤ 5 rows "
-            "for the short-row scheme), which is why c_p jumps after n = 5; `--k auto` sees these costs and "
-            "rarely goes past K = 4.", ""]
+    out += ["A 1-token pass is bound by reading the weights from memory; a wider pass by fp32 FMA throughput "
+            "(the int8 kernel does one FMA per weight per row: n rows cost n FMAs per 8 weights), so c_p(n) "
+            "grows with n from about n = 3. Passes of more than 6 rows take a second sweep over the weights. "
+            "`--k auto` sees these costs and chooses K from them.", ""]
     out += table(["n"] + [str(n) for n in ns],
                  [["c_p(n) ms"] + [f(c_p[n] * 1e3, "%.0f") for n in ns],
                   ["c_p(n) / c_p(1)"] + [f(c_p[n] / base) for n in ns]])
@@ -160,8 +161,31 @@ def peer_section(bench: dict | None) -> list[str]:
                      f(r["tokens_per_s"] / hf["tokens_per_s"] if hf else None, "%.2fx"),
                      same(r, no="no")])
     out += table(["T", "mode", "tok/s", "vs verispec plain", "vs hf plain", "same as verispec plain"], body)
-    out += ["", "llama.cpp is not measured here (no `llama-cpp-python` build in this project yet); the brief's "
-            "reference figure for this machine is ~15 tok/s plain decode of the 1.5B.", ""]
+    return out + [""]
+
+
+def llamacpp_section(bench: dict | None) -> list[str]:
+    out = ["## llama.cpp on the same files", ""]
+    if bench is None:
+        return out + missing("llama.cpp peer", "bash docs/reproduce.sh (needs pip install -e '.[llamacpp]')")
+    out += [f"Command: `{command_line(bench)}` ([report](results/bench-llamacpp.md)). llama.cpp "
+            "(llama-cpp-python, built from source with its native CPU flags) runs the same GGUF file with "
+            "the same thread count: its own Q4_K/Q6_K kernels with 8-bit activations, where verispec runs "
+            "int8 weights with fp32 activations. Its prompt-lookup mode is `LlamaPromptLookupDecoding` "
+            "(10 tokens), the only speculative mode the Python package has. Tokens/s include prefill; "
+            "ratios are measured in the same run on the same prompts. Greedy outputs of llama.cpp differ "
+            "from ours where the two numerics pick different tokens.", ""]
+    for t in sorted({r["temperature"] for r in bench["summary"]}):
+        rows = [r for r in bench["summary"] if r["temperature"] == t and r["batch_size"] == 1]
+        cats = sorted({r["category"] for r in rows if r["category"] != "all"}) + ["all"]
+        modes = list(dict.fromkeys(r["mode"] for r in rows))
+        ref = {r["category"]: r["tokens_per_s"] for r in rows if r["mode"] == "llama.cpp plain"}
+        body = []
+        for m in modes:
+            cells = {r["category"]: r for r in rows if r["mode"] == m}
+            body.append([m] + [f"{f(cells[c]['tokens_per_s'])} ({f(cells[c]['tokens_per_s'] / ref[c], '%.2fx')})"
+                               if c in cells and ref.get(c) else "–" for c in cats])
+        out += [f"T = {t}: tokens/s (× llama.cpp plain)", ""] + table(["mode"] + cats, body) + [""]
     return out
 
 
@@ -242,6 +266,7 @@ def main() -> None:
     out += ksweep_section(load("bench-ksweep.json"))
     out += batch_section(load("bench-batch.json"))
     out += peer_section(load("bench-peer.json"))
+    out += llamacpp_section(load("bench-llamacpp.json"))
     out += formats_section(load("formats.json"))
     out += serving_section(load("loadtest.json"))
     out += verify_section(load("verify.json"))

@@ -61,3 +61,18 @@ def test_quantized_weights_are_cached_in_the_prepared_directory(tmp_path, monkey
     b = LLM(second.model, proposer="none").generate(ids, params)[0].token_ids
     assert a == b
     assert load_model(path, dtype="float32").model.lm_head.weight.dtype == torch.float32
+
+
+def test_quantized_caches_of_an_older_layout_are_ignored_and_replaced(tmp_path, monkeypatch):
+    from test_loader_errors import write_tiny_gguf
+    from verispec.loaders.resolve import load_model
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    load_model(path, dtype="float32")                                   # prepares the directory
+    prepared = next((tmp_path / "cache").rglob("verispec.json")).parent
+    (prepared / "model.int8.safetensors").write_bytes(b"an int8 cache in an older layout")
+    assert load_model(path, dtype="float32").model is not None          # not mistaken for weights
+    assert isinstance(load_model(path, dtype="int8").model.lm_head, Int8Linear)
+    assert not (prepared / "model.int8.safetensors").exists()
+    assert list(prepared.glob("model.int8.v*.safetensors"))
