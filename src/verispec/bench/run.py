@@ -61,7 +61,10 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
             for rep in range(repeats):
                 for start in range(0, len(prompts), bs):
                     group = list(range(start, min(start + bs, len(prompts))))
-                    for mode in modes:
+                    # Rotate which mode runs first from one group to the next, so that whatever a
+                    # position in the order costs (allocator, caches, clocks) falls on every mode alike.
+                    shift = (start // bs + rep) % len(modes)
+                    for mode in modes[shift:] + modes[:shift]:
                         # No seed: sampled runs then use the measured-cost K policy, what users get by default
                         # (a seeded request follows the fixed-cost schedule, see KPolicy.choose).
                         params = SamplingParams(temperature=temp, max_tokens=max_tokens)
