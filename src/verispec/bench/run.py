@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.bench.costs import pass_cost, predicted_speedup
+from verispec.bench.costs import pass_cost, pass_costs, predicted_speedup
 from verispec.bench.suites import BenchPrompt
 from verispec.engine.llm import LLM
 from verispec.engine.params import SamplingParams
@@ -106,7 +106,7 @@ def _progress(show, done: int, total: int, temp: float, bs: int, label: str, pro
 
 def measure_costs(target: LoadedModel, draft: LoadedModel | None, ks: list[int]) -> dict:
     ns = sorted({1, 2, 3, 5, 9} | {k + 1 for k in ks})
-    c_p = {n: pass_cost(target.model, n) for n in ns}
+    c_p = pass_costs(target.model, ns)
     c_q = pass_cost(draft.model, 1) if draft is not None else None
     return {"c_p": c_p, "c_q_draft": c_q,
             "verify_ratio": {n: c_p[n] / c_p[1] for n in ns},
