@@ -10,21 +10,35 @@ import torch
 from verispec.models import KVCache, Transformer
 
 
-def pass_cost(model: Transformer, n: int, context: int = 128, repeats: int = 5) -> float:
-    """Median seconds of one forward pass over n new tokens after `context` cached tokens,
-    logits for all n rows (what a verify pass computes)."""
-    cache = KVCache.for_model(model.config, 1, context + n + 1, model.dtype, model.device)
-    ids = torch.randint(0, model.config.vocab_size, (1, context + n))
+def pass_costs(model: Transformer, widths: list[int], context: int = 128, repeats: int = 5,
+                on_round=None) -> dict[int, float]:
+    """Median seconds of one forward pass over n new tokens after `context` cached tokens, logits
+    for all n rows (what a verify pass computes), for each n in widths.
+
+    The widths are measured round-robin — every round times each width once — so a slow spell of a
+    shared machine falls on all widths alike instead of on whichever was being measured."""
+    widths = sorted(set(widths))
+    top = max(widths)
+    cache = KVCache.for_model(model.config, 1, context + top + 1, model.dtype, model.device)
+    ids = torch.randint(0, model.config.vocab_size, (1, context + top))
     pos = torch.arange(context)[None]
     model(ids[:, :context], pos, cache.view([0], pos))
-    times = []
-    new_pos = torch.arange(context, context + n)[None]
-    rows = torch.arange(n)[None]
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
-        model.logits(model(ids[:, context:], new_pos, cache.view([0], new_pos)), rows)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[1:])
+    times: dict[int, list[float]] = {n: [] for n in widths}
+    for r in range(repeats + 1):                 # round 0 warms up
+        for n in widths:
+            new_pos = torch.arange(context, context + n)[None]
+            t = time.perf_counter()
+            model.logits(model(ids[:, context:context + n], new_pos, cache.view([0], new_pos)), torch.arange(n)[None])
+            if r:
+                times[n].append(time.perf_counter() - t)
+        if on_round:
+            on_round(r, repeats)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def pass_cost(model: Transformer, n: int, context: int = 128, repeats: int = 5) -> float:
+    """pass_costs for one width."""
+    return pass_costs(model, [n], context, repeats)[n]
 
 
 def predicted_speedup(alpha: float, k: int, c_q: float, c_p: dict[int, float]) -> float:

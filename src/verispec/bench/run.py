@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.bench.costs import pass_cost, predicted_speedup
+from verispec.bench.costs import pass_cost, pass_costs, predicted_speedup
 from verispec.bench.suites import BenchPrompt
 from verispec.engine.llm import LLM
 from verispec.engine.params import SamplingParams
@@ -61,7 +61,10 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
             for rep in range(repeats):
                 for start in range(0, len(prompts), bs):
                     group = list(range(start, min(start + bs, len(prompts))))
-                    for mode in modes:
+                    # Rotate which mode runs first from one group to the next, so that whatever a
+                    # position in the order costs (allocator, caches, clocks) falls on every mode alike.
+                    shift = (start // bs + rep) % len(modes)
+                    for mode in modes[shift:] + modes[:shift]:
                         # No seed: sampled runs then use the measured-cost K policy, what users get by default
                         # (a seeded request follows the fixed-cost schedule, see KPolicy.choose).
                         params = SamplingParams(temperature=temp, max_tokens=max_tokens)
@@ -103,7 +106,7 @@ def _progress(show, done: int, total: int, temp: float, bs: int, label: str, pro
 
 def measure_costs(target: LoadedModel, draft: LoadedModel | None, ks: list[int]) -> dict:
     ns = sorted({1, 2, 3, 5, 9} | {k + 1 for k in ks})
-    c_p = {n: pass_cost(target.model, n) for n in ns}
+    c_p = pass_costs(target.model, ns)
     c_q = pass_cost(draft.model, 1) if draft is not None else None
     return {"c_p": c_p, "c_q_draft": c_q,
             "verify_ratio": {n: c_p[n] / c_p[1] for n in ns},

@@ -20,28 +20,28 @@ def add_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--max-n", type=int, default=16, help="largest pass width to measure (default 16)")
     p.add_argument("--context", type=int, default=128, help="cached tokens before the measured pass (default 128)")
+    p.add_argument("--repeats", type=int, default=7, help="rounds over all widths; medians are reported (default 7)")
     p.add_argument("--alphas", default="0.5,0.7,0.9", help="acceptance rates to predict for (default 0.5,0.7,0.9)")
     p.add_argument("--json", dest="json_file", default=None, help="write the measurements to this file")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
-    from verispec.bench.costs import pass_cost, predicted_speedup
+    from verispec.bench.costs import pass_cost, pass_costs, predicted_speedup
     from verispec.loaders.builtin import DEFAULT_DRAFT
     from verispec.loaders.resolve import load_model
     from verispec.proposers.ngram import lookup
 
-    if not 2 <= args.max_n <= 64 or args.context < 1:
-        raise VerispecError("--max-n must be in 2 … 64 and --context positive")
+    if not 2 <= args.max_n <= 64 or args.context < 1 or args.repeats < 1:
+        raise VerispecError("--max-n must be in 2 … 64, --context and --repeats positive")
     alphas = _floats(args.alphas)
     if any(not 0 <= a <= 1 for a in alphas):
         raise VerispecError("--alphas must lie in [0, 1]")
     target = load_model(args.model, args.dtype, args.device, progress=True)
     draft = load_model(args.draft or DEFAULT_DRAFT, args.dtype, args.device, progress=True)
-    c_p = {}
-    for n in range(1, args.max_n + 1):
-        c_p[n] = pass_cost(target.model, n, args.context)
-        print(f"\rmeasuring c_p({n})", end="", file=sys.stderr, flush=True)
+    c_p = pass_costs(target.model, list(range(1, args.max_n + 1)), args.context, args.repeats,
+                     on_round=lambda r, total: print(f"\rmeasuring c_p(1 … {args.max_n}): round {r}/{total}", end="",
+                                                     file=sys.stderr, flush=True))
     print(file=sys.stderr)
     c_q = {"draft": pass_cost(draft.model, 1, args.context)}
     tokens = list(range(50)) * (args.context // 50 + 1)
