@@ -7,7 +7,7 @@ import torch
 from verispec.config import ModelConfig
 from verispec.errors import InvalidModelFile
 from verispec.models import Transformer
-from verispec.models.transformer import Rotary
+from verispec.models.transformer import Rotary, fuse_projections
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -51,6 +51,7 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     """Assemble a Transformer from a state dict without allocating a second copy of the weights."""
     check_state(cfg, state, source)
     state = {k: v for k, v in state.items() if k in expected_shapes(cfg)}
+    fuse_projections(state)                     # here, so each part is freed as soon as it is fused
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     with torch.device("meta"):

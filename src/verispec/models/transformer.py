@@ -53,18 +53,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _fuse(fused: str, parts: tuple[str, ...]):
-    """A load_state_dict pre-hook: checkpoints name the projections apart (q_proj, k_proj, v_proj;
-    gate_proj, up_proj); the model holds each group as one linear, so a pass makes one matmul call
-    per group. Rows are concatenated in `parts` order; a state dict already fused passes through."""
+# Checkpoints name these projections apart; the model holds each group as one linear, so a pass
+# makes one matmul call per group. Rows are concatenated in the parts' order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
-    def hook(module, state, prefix, *_):
-        for kind in ("weight", "bias"):
-            names = [f"{prefix}{p}.{kind}" for p in parts]
-            if all(n in state for n in names):
-                state[f"{prefix}{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
 
-    return hook
+def fuse_projections(state: dict[str, torch.Tensor], prefix: str = "") -> None:
+    """In place: replace each group of checkpoint projections under `prefix` by its fused tensor,
+    dropping the parts as it goes (a state dict already fused passes through)."""
+    for name in [n for n in state if n.startswith(prefix)]:
+        stem, _, kind = name.rpartition(".")
+        module, _, leaf = stem.rpartition(".")
+        for fused, parts in FUSED.items():
+            names = [f"{module}.{p}.{kind}" for p in parts]
+            if leaf == parts[0] and all(n in state for n in names):
+                state[f"{module}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
 
 
 class Attention(nn.Module):
@@ -76,7 +79,6 @@ class Attention(nn.Module):
         self.split = [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim]
         self.qkv_proj = nn.Linear(c, sum(self.split), bias=bias)            # q, k, v in one matmul
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, c, bias=False)
-        self.register_load_state_dict_pre_hook(_fuse("qkv_proj", ("q_proj", "k_proj", "v_proj")))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CacheView) -> torch.Tensor:
         b, t, _ = x.shape                                                     # (B, T, C)
@@ -113,7 +115,6 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.register_load_state_dict_pre_hook(_fuse("gate_up_proj", ("gate_proj", "up_proj")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                      # (B, T, I) each
@@ -152,6 +153,8 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # load_state_dict takes checkpoint names (q_proj, …) as well as fused ones.
+        self.register_load_state_dict_pre_hook(lambda module, state, prefix, *_: fuse_projections(state, prefix))
 
     @property
     def dtype(self) -> torch.dtype:
