@@ -215,6 +215,22 @@ def formats_section(formats: dict | None) -> list[str]:
     return out
 
 
+def kernel_section(kernel: dict | None) -> list[str]:
+    out = ["## The int8 kernel alone", ""]
+    if kernel is None:
+        return out + missing("int8 kernel by row count", "python docs/measure_kernel.py --out docs/results/kernel.json")
+    out += [f"Command: `python docs/measure_kernel.py --out docs/results/kernel.json` ({kernel['threads']} threads, "
+            f"{kernel['kernel']}). Matmuls only, random int8 weights at the 1.5B's shapes streamed from memory; "
+            "'model' = 28 fused layers + LM head. Why wider passes cost what they do: "
+            "[PERFORMANCE_LOG.md](PERFORMANCE_LOG.md#why-a-5-token-verify-pass-costs-more-than-15x-a-1-token-pass-here).", ""]
+    rows = kernel["rows"]
+    base = rows[min(rows, key=int)]["model"]
+    out += table(["rows M", "fused ms/layer", "apart ms/layer", "LM head ms", "model ms", "× M = 1"],
+                 [[m, f(r["fused"] * 1e3), f(r["apart"] * 1e3), f(r["head"] * 1e3), f(r["model"] * 1e3, "%.0f"),
+                   f(r["model"] / base)] for m, r in rows.items()]) + [""]
+    return out
+
+
 def serving_section(load: dict | None) -> list[str]:
     out = ["## Serving under load", ""]
     if load is None:
@@ -268,6 +284,7 @@ def main() -> None:
     out += peer_section(load("bench-peer.json"))
     out += llamacpp_section(load("bench-llamacpp.json"))
     out += formats_section(load("formats.json"))
+    out += kernel_section(load("kernel.json"))
     out += serving_section(load("loadtest.json"))
     out += verify_section(load("verify.json"))
     (DOCS / "PERFORMANCE.md").write_text("\n".join(out).rstrip() + "\n")

@@ -25,6 +25,8 @@ verispec bench --peer llamacpp --modes ngram,hybrid --ks auto --max-tokens 64 \
     --json $R/bench-llamacpp.json --markdown $R/bench-llamacpp.md
 # Weight formats: decode speed, quality against fp32, peak RSS of the pair.
 python docs/measure_formats.py --out $R/formats.json
+# The int8 kernel alone at the 1.5B's shapes, by row count, fused and apart.
+python docs/measure_kernel.py --out $R/kernel.json
 # Losslessness certificate on the real pair (0.5B drafts for the 1.5B, K = 4, T = 0.8).
 verispec verify --draft qwen2.5-coder-0.5b-instruct --k 4 --samples 600 --json $R/verify.json > $R/verify.txt
 # The server under load, without and with speculation.

@@ -76,3 +76,24 @@ def test_quantized_caches_of_an_older_layout_are_ignored_and_replaced(tmp_path, 
     assert isinstance(load_model(path, dtype="int8").model.lm_head, Int8Linear)
     assert not (prepared / "model.int8.safetensors").exists()
     assert list(prepared.glob("model.int8.v*.safetensors"))
+
+
+def test_prepared_directories_store_fused_projections_and_older_ones_are_redone(tmp_path, monkeypatch):
+    import json
+
+    from safetensors.torch import load_file
+
+    from test_loader_errors import write_tiny_gguf
+    from verispec.loaders.resolve import PREPARED_VERSION, load_model
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    assert load_model(path, dtype="float32").cold
+    prepared = next((tmp_path / "cache").rglob("verispec.json")).parent
+    names = set(load_file(str(prepared / "model.safetensors")))
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    assert not any(".q_proj." in n or ".up_proj." in n for n in names)
+    assert not load_model(path, dtype="float32").cold
+    meta = json.loads((prepared / "verispec.json").read_text())
+    (prepared / "verispec.json").write_text(json.dumps(meta | {"version": PREPARED_VERSION - 1}))
+    assert load_model(path, dtype="float32").cold                        # an older layout is prepared again

@@ -10,8 +10,9 @@ from verispec.models import Transformer
 from verispec.models.transformer import Rotary, fuse_projections
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face name -> (out, in) shape every checkpoint of this config must have."""
+def expected_shapes(cfg: ModelConfig, fused: bool = False) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> (out, in) shape every checkpoint of this config must have; fused: under
+    the model's own names, q/k/v and gate/up as one tensor each (transformer.FUSED)."""
     c, d = cfg.hidden_size, cfg.head_dim
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, c), "model.norm.weight": (c,)}
     if not cfg.tie_word_embeddings:
@@ -32,12 +33,18 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "self_attn.q_proj.bias": (cfg.num_heads * d,),
                        p + "self_attn.k_proj.bias": (cfg.num_kv_heads * d,),
                        p + "self_attn.v_proj.bias": (cfg.num_kv_heads * d,)}
+    if fused:
+        fuse_projections(shapes, combine=lambda parts: (sum(s[0] for s in parts), *parts[0][1:]))
     return shapes
+
+
+def is_fused(state: dict) -> bool:
+    return any(k.endswith((".qkv_proj.weight", ".gate_up_proj.weight")) for k in state)
 
 
 def check_state(cfg: ModelConfig, state: dict[str, torch.Tensor], source: object) -> None:
     """Raise InvalidModelFile unless `state` holds exactly the tensors `cfg` needs, with their shapes."""
-    want = expected_shapes(cfg)
+    want = expected_shapes(cfg, fused=is_fused(state))
     missing = sorted(set(want) - set(state))
     if missing:
         raise InvalidModelFile(source, f"missing {len(missing)} tensor(s), e.g. {missing[0]}")
@@ -50,7 +57,7 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
                 device: str | torch.device, source: object) -> Transformer:
     """Assemble a Transformer from a state dict without allocating a second copy of the weights."""
     check_state(cfg, state, source)
-    state = {k: v for k, v in state.items() if k in expected_shapes(cfg)}
+    state = {k: v for k, v in state.items() if k in expected_shapes(cfg, fused=is_fused(state))}
     fuse_projections(state)                     # here, so each part is freed as soon as it is fused
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

@@ -21,16 +21,17 @@ from safetensors.torch import load_file, save_file
 from verispec.config import ModelConfig
 from verispec.errors import InvalidModelFile, ModelNotFound, VerispecError
 from verispec.loaders import builtin
-from verispec.loaders.checkpoint import build_model, build_quantized
+from verispec.loaders.checkpoint import build_model, build_quantized, check_state
 from verispec.loaders.tokenizer import TextTokenizer
 from verispec.models import Transformer
 from verispec.models.quant import quantize_linears
+from verispec.models.transformer import fuse_projections
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 # Weight-only formats: the linears are quantized, everything else computes in the paired dtype.
 QUANTIZED = {"int8": torch.float32, "int4": torch.float32}
-PREPARED_VERSION = 1
+PREPARED_VERSION = 2        # 2: q/k/v and gate/up stored fused (loading then copies nothing)
 
 
 @dataclass
@@ -87,7 +88,7 @@ def load_model(arg: str | Path, dtype: str | torch.dtype = "auto", device: str =
         key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
         name = path.stem
     prepared = builtin.cache_dir() / "prepared" / f"{path.stem}-{key}"
-    cold = not (prepared / "verispec.json").is_file()
+    cold = _prepared_version(prepared) != PREPARED_VERSION
     if cold:
         model, tok = _prepare_gguf(path, prepared, torch_dtype, device, progress)
         if quant is not None:
@@ -99,6 +100,13 @@ def load_model(arg: str | Path, dtype: str | torch.dtype = "auto", device: str =
 
 QUANT_LAYOUT = 3            # bump when a quantized model's saved layout changes (2: packed int8 blocks,
                             # 3: fused qkv_proj and gate_up_proj)
+
+
+def _prepared_version(prepared: Path) -> int | None:
+    try:
+        return json.loads((prepared / "verispec.json").read_text()).get("version")
+    except (OSError, ValueError):
+        return None
 
 
 def _quant_file(quant: str | None) -> str:
@@ -128,6 +136,8 @@ def _prepare_gguf(path: Path, prepared: Path, dtype: torch.dtype, device: str, p
                   file=sys.stderr, flush=True)
 
     cfg, state = load_gguf(path, torch.float32, on_tensor=report)
+    check_state(cfg, state, path)
+    fuse_projections(state)                     # stored fused, so a warm load copies nothing
     tok, info = tokenizer_from_gguf(open_reader(path))
     tmp = prepared.with_name(prepared.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -58,16 +58,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def fuse_projections(state: dict[str, torch.Tensor], prefix: str = "") -> None:
+def fuse_projections(state: dict, prefix: str = "", combine=torch.cat) -> None:
     """In place: replace each group of checkpoint projections under `prefix` by its fused tensor,
-    dropping the parts as it goes (a state dict already fused passes through)."""
+    dropping the parts as it goes (a state dict already fused passes through). `combine` joins the
+    parts (torch.cat for tensors; anything else for, say, a dict of shapes)."""
     for name in [n for n in state if n.startswith(prefix)]:
         stem, _, kind = name.rpartition(".")
         module, _, leaf = stem.rpartition(".")
         for fused, parts in FUSED.items():
             names = [f"{module}.{p}.{kind}" for p in parts]
             if leaf == parts[0] and all(n in state for n in names):
-                state[f"{module}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+                state[f"{module}.{fused}.{kind}"] = combine([state.pop(n) for n in names])
 
 
 class Attention(nn.Module):
