@@ -1,6 +1,6 @@
 """The int8 kernel at the 1.5B's shapes: milliseconds per layer and for the LM head by row count M,
 with the projections fused (one q/k/v and one gate/up matmul per layer, as the model runs them)
-and apart, timed alternately in one process.
+and apart, timed alternately in one process (each first in every other round).
 
     python docs/measure_kernel.py [--layers 8] [--repeats 15] [--out docs/results/kernel.json]
 
@@ -50,8 +50,9 @@ def main() -> None:
     for m in [int(r) for r in args.rows.split(",")]:
         x = {HIDDEN: torch.randn(m, HIDDEN), INTER: torch.randn(m, INTER)}
         times = {"fused": [], "apart": [], "head": []}
-        for _ in range(args.repeats):
-            for name, ws in sets.items():
+        for r in range(args.repeats):
+            # Alternate which set runs first: the second of a pair measured 5–8 % faster either way.
+            for name, ws in (list(sets.items()) if r % 2 == 0 else list(sets.items())[::-1]):
                 t = time.perf_counter()
                 for w, s, k in ws:
                     kernels.int8_gemm(x[k], w, s)
