@@ -71,6 +71,15 @@ def batch_bucket(batch: int) -> int:
     return 1 << max(0, batch - 1).bit_length()
 
 
+def _record_per_token(table: dict[str, float], source: str, tokens: int, seconds: float) -> None:
+    """Fold seconds / tokens into table[source] (an exponential moving average)."""
+    if tokens <= 0:
+        return
+    per = seconds / tokens
+    old = table.get(source)
+    table[source] = per if old is None else (1 - EMA) * old + EMA * per
+
+
 @dataclass
 class CostModel:
     """Seconds per target pass by (batch bucket, width), and per drafted token by proposer source."""
@@ -85,18 +94,10 @@ class CostModel:
         self.verify[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
     def record_propose(self, source: str, tokens: int, seconds: float) -> None:
-        if tokens <= 0:
-            return
-        per = seconds / tokens
-        old = self.propose.get(source)
-        self.propose[source] = per if old is None else (1 - EMA) * old + EMA * per
+        _record_per_token(self.propose, source, tokens, seconds)
 
     def record_catchup(self, source: str, tokens: int, seconds: float) -> None:
-        if tokens <= 0:
-            return
-        per = seconds / tokens
-        old = self.catchup.get(source)
-        self.catchup[source] = per if old is None else (1 - EMA) * old + EMA * per
+        _record_per_token(self.catchup, source, tokens, seconds)
 
     def c_catchup(self, source: str) -> float:
         return self.catchup.get(source, CATCHUP_PRIOR * self.c_q(source))
