@@ -93,12 +93,12 @@ def suite_section(bench: dict | None) -> list[str]:
             body.append([t, m, f"{worst['speedup']:.2f}x ({worst['category']})", f"{best['speedup']:.2f}x ({best['category']})",
                          "yes" if ok else "**no**"])
     out += table(["T", "mode", "worst category", "best category", "within 3 %"], body) + [""]
-    idle = [r["speedup"] for r in bench["summary"] if r["category"] != "all" and r.get("tau") is not None
-            and r["tau"] <= 1.01 and r["batch_size"] == 1]
+    idle = [r["speedup"] for r in bench["summary"] if r["category"] != "all" and r["mode"] != "plain"
+            and "tau" in r and r.get("acceptance_rate") is None and r["batch_size"] == 1]
     if idle:
-        out += [f"Noise floor of this run: cells where a mode (almost) never speculated (τ ≤ 1.01, so it did "
-                f"what plain did) measured {min(idle):.2f}–{max(idle):.2f}x of plain ({len(idle)} cells). "
-                "Differences smaller than that are not resolved by 2 prompts × 48 tokens per category.", ""]
+        out += [f"Noise floor of this run: cells where a mode proposed nothing at all (so it did what plain "
+                f"did) measured {min(idle):.2f}–{max(idle):.2f}x of plain ({len(idle)} cells). Differences "
+                "smaller than that are not resolved by 2 prompts × 48 tokens per category.", ""]
     return out
 
 
