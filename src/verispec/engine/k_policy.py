@@ -149,6 +149,20 @@ class AcceptanceEstimate:
         for i in range(self.reached, len(self.rates)):
             self.rates[i] = self.rates[self.reached - 1]
 
+    def track(self, k: int, may_probe: bool = True) -> int:
+        """Record the chosen K; after probe_every rounds of K = 0 return 1 instead (a probe, when
+        may_probe), doubling the wait after each probe that did not revive speculation."""
+        if k > 0:
+            self.probe_every, self.probing = PROBE_EVERY, False
+            return k
+        if self.probing:                     # the probe did not make speculation pay: wait longer
+            self.probe_every, self.probing = min(2 * self.probe_every, PROBE_MAX), False
+        self.zero_rounds += 1
+        if self.zero_rounds >= self.probe_every and may_probe:
+            self.zero_rounds, self.probing = 0, True
+            return 1
+        return 0
+
 
 class KPolicy:
     """K per sequence per round: fixed, or `auto` from costs and acceptance."""
@@ -178,11 +192,7 @@ class KPolicy:
             return min(self.k_fixed, cap)
         if source == "none":
             return 0
-        est = self.estimates.get((slot, source))
-        if est is None:
-            regime = "greedy" if greedy else "sampled"
-            shared = None if reproducible else self.shared.get((source, regime))
-            est = self.estimates[(slot, source)] = AcceptanceEstimate.prior(source, self.k_max, shared, regime)
+        est = self._estimate(slot, source, greedy, use_shared=not reproducible)
         if reproducible:
             c_p, c_q = (lambda n: 1.0 + STATIC_SLOPE * (n - 1)), STATIC_C_Q.get(source, 0.0)
             catchup = backlog * STATIC_CATCHUP.get(source, 0.0)
@@ -192,18 +202,20 @@ class KPolicy:
         k = choose_k(est.rates, c_p, c_q, self.k_max)
         if k > 0 and backlog and saving(est.rates, k, c_p, c_q, remaining) <= catchup:
             k = 0
-        if k > 0:
-            est.probe_every, est.probing = PROBE_EVERY, False
-            return min(k, cap)
-        if est.probing:                      # the probe did not make speculation pay: wait longer
-            est.probe_every, est.probing = min(2 * est.probe_every, PROBE_MAX), False
-        est.zero_rounds += 1
-        if est.zero_rounds >= est.probe_every:
-            # A probe that needs a catch-up must pay off at the prior acceptance rate.
-            prior = AcceptanceEstimate.prior(source, 1).rates
-            if not backlog or saving(prior, 1, c_p, c_q, remaining) > catchup:
-                est.zero_rounds, est.probing, k = 0, True, 1
-        return min(k, cap)
+        # A probe that needs a catch-up must pay off at the prior acceptance rate.
+        prior = AcceptanceEstimate.prior(source, 1).rates
+        may_probe = not backlog or saving(prior, 1, c_p, c_q, remaining) > catchup
+        return min(est.track(k, may_probe), cap)
+
+    def _estimate(self, slot: int, source: str, greedy: bool = True, use_shared: bool = True) -> AcceptanceEstimate:
+        """This sequence's estimate for source, started from the shared prior of its regime (or the
+        fixed prior) the first time."""
+        est = self.estimates.get((slot, source))
+        if est is None:
+            regime = "greedy" if greedy else "sampled"
+            shared = self.shared.get((source, regime)) if use_shared else None
+            est = self.estimates[(slot, source)] = AcceptanceEstimate.prior(source, self.k_max, shared, regime)
+        return est
 
     def choose_round(self, seqs: list, sources: list[str], batch: int | None = None,
                      backlogs: list[int] | None = None) -> list[int]:
@@ -226,15 +238,7 @@ class KPolicy:
               for i, (s, src, r, bl) in enumerate(zip(seqs, sources, remaining, backlogs))]
         if not joint:
             return ks
-        ests = []
-        for i in joint:
-            s = seqs[i]
-            est = self.estimates.get((s.slot, sources[i]))
-            if est is None:
-                regime = "greedy" if s.params.greedy else "sampled"
-                est = self.estimates[(s.slot, sources[i])] = AcceptanceEstimate.prior(
-                    sources[i], self.k_max, self.shared.get((sources[i], regime)), regime)
-            ests.append(est)
+        ests = [self._estimate(seqs[i].slot, sources[i], seqs[i].params.greedy) for i in joint]
         c_q = max(self.costs.c_q(sources[i]) for i in joint)
         best_k, best = 0, len(joint) / self.costs.c_p(1, batch)
         for k in range(1, self.k_max + 1):
@@ -248,15 +252,7 @@ class KPolicy:
             plain = len(joint) / self.costs.c_p(1, batch)
             if sum(remaining[i] for i in joint) * (1 / plain - 1 / best) <= catchup:
                 best_k = 0
-        lead = ests[0]                          # the batch's probing state rides on its first sequence
-        if best_k == 0:
-            if lead.probing:
-                lead.probe_every, lead.probing = min(2 * lead.probe_every, PROBE_MAX), False
-            lead.zero_rounds += 1
-            if lead.zero_rounds >= lead.probe_every:
-                lead.zero_rounds, lead.probing, best_k = 0, True, 1
-        else:
-            lead.probe_every, lead.probing = PROBE_EVERY, False
+        best_k = ests[0].track(best_k)          # the batch's probing state rides on its first sequence
         for i in joint:
             ks[i] = min(best_k, max(0, remaining[i] - 1))
         return ks
@@ -264,9 +260,7 @@ class KPolicy:
     def observe(self, slot: int, source: str, proposed: int, accepted: int) -> None:
         if not (self.auto and proposed > 0):
             return
-        est = self.estimates.get((slot, source))
-        if est is None:
-            est = self.estimates[(slot, source)] = AcceptanceEstimate.prior(source, self.k_max)
+        est = self._estimate(slot, source, use_shared=False)
         est.update(proposed, accepted)
         shared = self.shared.setdefault((source, est.regime), [PRIOR_RATE.get(source, 0.5)] * self.k_max)
         for i in range(min(accepted + 1, proposed)):

@@ -7,7 +7,7 @@ import torch
 from verispec.config import ModelConfig
 from verispec.errors import InvalidModelFile
 from verispec.models import Transformer
-from verispec.models.transformer import Rotary, fuse_projections
+from verispec.models.transformer import FUSED, Rotary, fuse_projections
 
 
 def expected_shapes(cfg: ModelConfig, fused: bool = False) -> dict[str, tuple[int, ...]]:
@@ -39,7 +39,8 @@ def expected_shapes(cfg: ModelConfig, fused: bool = False) -> dict[str, tuple[in
 
 
 def is_fused(state: dict) -> bool:
-    return any(k.endswith((".qkv_proj.weight", ".gate_up_proj.weight")) for k in state)
+    """Whether a state dict names its projections the model's way (transformer.FUSED)."""
+    return any(k.endswith(tuple(f".{fused}.weight" for fused in FUSED)) for k in state)
 
 
 def check_state(cfg: ModelConfig, state: dict[str, torch.Tensor], source: object) -> None:
@@ -57,7 +58,8 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
                 device: str | torch.device, source: object) -> Transformer:
     """Assemble a Transformer from a state dict without allocating a second copy of the weights."""
     check_state(cfg, state, source)
-    state = {k: v for k, v in state.items() if k in expected_shapes(cfg, fused=is_fused(state))}
+    wanted = expected_shapes(cfg, fused=is_fused(state))
+    state = {k: v for k, v in state.items() if k in wanted}
     fuse_projections(state)                     # here, so each part is freed as soon as it is fused
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
