@@ -41,6 +41,28 @@ def test_bench_on_tiny_pair(tmp_path):
     assert all(p.stat().st_size > 1000 for p in paths)
 
 
+def test_speedup_is_the_median_of_ratios_paired_by_repeat():
+    """Each repeat's mode/plain ratio is taken first (the two ran interleaved), then the median: a ratio
+    of the two modes' median rates would mix repeats (here it would say 0.6x)."""
+    from verispec.bench.run import Mode, summarize
+
+    def run(mode, rep, seconds):
+        return {"prompt": "a", "category": "x", "mode": mode, "temperature": 0.0, "batch_size": 1,
+                "repeat": rep, "wall_s": seconds, "generated_tokens": 10, "token_ids": [1], "spec": None}
+
+    # plain: 1.0 s, 2.0 s (a slow spell), 1.0 s; the mode is 10 % faster in two repeats, hit in the third
+    runs = [run("plain", 0, 1.0), run("plain", 1, 2.0), run("plain", 2, 1.0),
+            run("peer", 0, 1 / 1.1), run("peer", 1, 2 / 1.1), run("peer", 2, 1 / 0.6)]
+    rows = summarize(runs, [Mode("none", 0), _PeerMode()], costs={})
+    row = next(r for r in rows if r["mode"] == "peer" and r["category"] == "all")
+    assert row["speedup"] == pytest.approx(1.1)
+    assert row["speedup_per_repeat"] == pytest.approx([1.1, 1.1, 0.6])
+
+
+class _PeerMode:
+    label, proposer, k = "peer", "peer", 0
+
+
 def test_bundled_suite_covers_categories():
     cats = {p.category for p in load_suite()}
     assert {"code_writing", "code_editing", "explanation", "summarisation", "chat", "maths"} <= cats
