@@ -1,4 +1,5 @@
-"""The native small-M int8 kernel: parity with a float64 reference, row exactness across M, awkward
+"""The native int8 kernel: parity with a float64 reference of its exact arithmetic (activations rounded
+to 16 bits per row, integer sums), closeness to fp32 activations, row exactness across M, awkward
 shapes, and the fallback to torch's kernel."""
 
 from __future__ import annotations
@@ -15,16 +16,42 @@ needs_kernel = pytest.mark.skipif(not kernels.available(),
                                   reason=f"native kernel {kernels.kernel_status()}")
 
 
+def round_rows_to_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation rounding, written out: per row sx = max|x| / 32767, q = round(x / sx)."""
+    amax = x.abs().amax(dim=1, keepdim=True)                                 # (M, 1) float32
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
+    return torch.round(x * inv), amax / 32767.0
+
+
 @needs_kernel
-@pytest.mark.parametrize("m,n,k", [(1, 64, 896), (5, 130, 1536), (17, 67, 33), (3, 5, 7), (40, 300, 96)])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 896), (5, 130, 1536), (17, 67, 33), (3, 5, 7), (40, 300, 96),
+                                   (2, 16, 8960), (7, 33, 1)])
 def test_int8_gemm_matches_float64_reference(m, n, k):
     torch.manual_seed(m + n + k)
     q, scale = quantize_int8(torch.randn(n, k))
-    x = torch.randn(m, k)
-    ref = (x.double() @ q.double().T) * scale.double()
+    x = torch.randn(m, k) * torch.rand(m, 1) * 10
+    x[0, 0] = 40.0                                                          # an outlier sets row 0's scale
+    qx, sx = round_rows_to_int16(x)
+    exact = (qx.double() @ q.double().T) * scale.double() * sx.double()     # integer sums are exact
     out = kernels.int8_gemm(x, kernels.pack_int8(q), scale)
     assert out.shape == (m, n) and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=1e-6 * exact.abs().max().item())
+    # Against fp32 activations: at most half a rounding step per activation, weighted by |w|
+    unrounded = (x.double() @ q.double().T) * scale.double()
+    bound = 0.5 * sx.double() * (q.double().abs().sum(1) * scale.double())[None, :]   # (M, N)
+    assert ((out.double() - unrounded).abs() <= bound * 1.001 + 1e-9).all()
+
+
+@needs_kernel
+def test_int8_gemm_handles_zero_rows_and_full_scale_values():
+    q = torch.full((16, 1024), 127, dtype=torch.int8)                       # the largest possible integer sums
+    x = torch.ones(3, 1024)
+    x[1] = 0.0
+    x[2, ::2] = -1.0
+    out = kernels.int8_gemm(x, kernels.pack_int8(q), torch.ones(16))
+    assert torch.equal(out[0], torch.full((16,), 127.0 * 1024))
+    assert torch.equal(out[1], torch.zeros(16))
+    assert torch.equal(out[2], torch.zeros(16))
 
 
 @needs_kernel
@@ -45,10 +72,13 @@ def test_int8_gemm_rows_do_not_depend_on_the_batch():
 def test_int8_packing_round_trips_and_pads_with_zeros(n, k):
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     packed = kernels.pack_int8(q)
-    assert packed.shape == (-(-n // 16), k, 16)
-    assert torch.equal(kernels.unpack_int8(packed, n), q)
-    assert not packed.transpose(1, 2).reshape(-1, k)[n:].any()
-    assert torch.equal(packed[0, :, 0], q[0])                      # k-major: a block's column is contiguous in k
+    assert packed.shape == (-(-n // 16), -(-k // 2), 32)
+    assert torch.equal(kernels.unpack_int8(packed, n, k), q)
+    assert packed.sum(dtype=torch.int64) == q.sum(dtype=torch.int64)       # the padding is zeros
+    if k > 1:
+        assert torch.equal(packed[0, 0, :2], q[0, :2])                     # a column's pair of k is adjacent
+    if n > 8 and k > 3:
+        assert torch.equal(packed[0, 1, 16:18], q[8, 2:4])                 # columns 8-15 in the second half
 
 
 @needs_kernel

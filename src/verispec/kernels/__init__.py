@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled on first use with the system C compiler and cached.
 
-`gemm.c` holds small-M weight-only matmuls (int8 per channel, int4 per group of 32) for AVX2 +
-FMA CPUs (see its header). It is
+`gemm.c` holds the quantized matmuls (int8 weights per channel with activations rounded to 16-bit
+integers per row and integer dot products; int4 per group of 32) for AVX2 + FMA CPUs (see its
+header). It is
 built once into `$VERISPEC_CACHE/kernels/` (about a second with gcc) and opened with ctypes; its
 OpenMP pool is the one torch already loaded (same `libgomp.so.1`), so the two never fight for
 cores. Without a compiler, without AVX2/FMA, or with VERISPEC_KERNELS=off, `int8_gemm()` is None
@@ -75,7 +76,7 @@ def _load():
             return None
     try:
         lib = ctypes.CDLL(str(lib_path))
-        if lib.verispec_kernels_abi() != 6:
+        if lib.verispec_kernels_abi() != 7:
             raise OSError("ABI mismatch")
     except OSError as err:
         _status = f"unavailable: loading {lib_path} failed ({err})"
@@ -95,31 +96,36 @@ BLOCK = 16                 # output columns per packed int8 block
 
 
 def pack_int8(weight: torch.Tensor) -> torch.Tensor:
-    """int8 (N, K) -> the kernel's layout (ceil(N/16), K, 16): for each k, a block's 16 weights are
-    contiguous; rows past N are zero."""
+    """int8 (N, K) -> the kernel's layout (ceil(N/16), ceil(K/2), 32): for each pair of k, a block's
+    32 bytes hold columns 0-7 then 8-15, each column's two weights adjacent; zero past N and K."""
     n, k = weight.shape
-    blocks = -(-n // BLOCK)
-    padded = torch.zeros(blocks * BLOCK, k, dtype=torch.int8)
-    padded[:n] = weight
-    return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
+    blocks, pairs = -(-n // BLOCK), -(-k // 2)
+    padded = torch.zeros(blocks * BLOCK, 2 * pairs, dtype=torch.int8)
+    padded[:n, :k] = weight
+    # (blocks, half, column, pair, t) -> (blocks, pair, half, column, t)
+    return padded.view(blocks, 2, 8, pairs, 2).permute(0, 3, 1, 2, 4).reshape(blocks, pairs, 32).contiguous()
 
 
-def unpack_int8(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """The inverse of pack_int8: (ceil(N/16), K, 16) -> (N, K)."""
-    blocks, k, _ = packed.shape
-    return packed.transpose(1, 2).reshape(blocks * BLOCK, k)[:n].contiguous()
+def unpack_int8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of pack_int8: (ceil(N/16), ceil(K/2), 32) -> (N, K)."""
+    blocks, pairs, _ = packed.shape
+    full = packed.view(blocks, pairs, 2, 8, 2).permute(0, 2, 3, 1, 4).reshape(blocks * BLOCK, 2 * pairs)
+    return full[:n, :k].contiguous()
 
 
 def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x (M, K) float32 contiguous, packed weight from pack_int8, scales (N,) float32 -> (M, N) float32."""
+    """x (M, K) float32 contiguous, packed weight from pack_int8, scales (N,) float32 -> (M, N) float32.
+
+    Each row of x is rounded to 16-bit integers with its own scale inside the kernel (see gemm.c)."""
     lib = _load()
     m, k = x.shape
     n = scales.shape[0]
-    if packed.shape != (-(-n // BLOCK), k, BLOCK) or packed.dtype != torch.int8:
+    if packed.shape != (-(-n // BLOCK), -(-k // 2), 32) or packed.dtype != torch.int8:
         raise ValueError(f"int8_gemm: packed weight {tuple(packed.shape)} does not fit N={n}, K={k}")
     y = torch.empty(m, n, dtype=torch.float32)
-    lib.verispec_int8_gemm(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k,
-                           torch.get_num_threads())
+    if lib.verispec_int8_gemm(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), y.data_ptr(), m, n, k,
+                              torch.get_num_threads()):
+        raise MemoryError("int8_gemm: no memory for the rounded activations")
     return y
 
 

@@ -98,8 +98,8 @@ def load_model(arg: str | Path, dtype: str | torch.dtype = "auto", device: str =
     return LoadedModel(name, model, tok, path, time.perf_counter() - start, cold)
 
 
-QUANT_LAYOUT = 3            # bump when a quantized model's saved layout changes (2: packed int8 blocks,
-                            # 3: fused qkv_proj and gate_up_proj)
+QUANT_LAYOUT = 4            # bump when a quantized model's saved layout changes (2: packed int8 blocks,
+                            # 3: fused qkv_proj and gate_up_proj, 4: int8 blocks k-pair-major)
 
 
 def _prepared_version(prepared: Path) -> int | None:

@@ -1,9 +1,10 @@
 """Weight-only quantization as a swapped linear: the model file never sees it (gpt-fast style).
 
 int8: symmetric per-output-channel scales, weights stored int8 in the native kernel's packed layout
-(16 output columns per block, k-major; `kernels.pack_int8`). On CPUs with AVX2 + FMA the matmul runs
-in verispec's own small-M kernel (verispec/kernels/gemm.c: fp32 activations, each weight read once
-per pass, row-exact); elsewhere in `torch.ops.aten._weight_int8pack_mm` with bf16 activations. Everything around the linears (norms, RoPE, attention, residuals) keeps the
+(16 output columns per block, k-pair-major; `kernels.pack_int8`). On CPUs with AVX2 + FMA the matmul
+runs in verispec's own kernel (verispec/kernels/gemm.c: each activation row rounded to 16-bit
+integers with its own scale, integer dot products, each weight read once per pass, row-exact);
+elsewhere in `torch.ops.aten._weight_int8pack_mm` with bf16 activations. Everything around the linears (norms, RoPE, attention, residuals) keeps the
 model's dtype.
 
 int4 (`--dtype int4`): groups of 32 along K with a scale and a minimum each, w = min + q · scale,
@@ -39,7 +40,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         q, scale = quantize_int8(linear.weight.detach())
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", kernels.pack_int8(q))               # (ceil(N/16), K, 16) int8
+        self.register_buffer("weight", kernels.pack_int8(q))               # (ceil(N/16), ceil(K/2), 32) int8
         self.register_buffer("scales", scale)                               # (N,) float32
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
         self._torch_weight: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -51,7 +52,7 @@ class Int8Linear(nn.Module):
             y = kernels.int8_gemm(x2.float().contiguous(), self.weight, self.scales).to(x.dtype)   # (M, N)
         else:
             if self._torch_weight is None:                                  # torch's kernel: row-major, bf16 scales
-                self._torch_weight = (kernels.unpack_int8(self.weight, self.out_features),
+                self._torch_weight = (kernels.unpack_int8(self.weight, self.out_features, self.in_features),
                                       self.scales.to(torch.bfloat16))
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), *self._torch_weight).to(x.dtype)
         if self.bias is not None:
@@ -59,7 +60,7 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        return kernels.unpack_int8(self.weight, self.out_features).float() * self.scales[:, None]
+        return kernels.unpack_int8(self.weight, self.out_features, self.in_features).float() * self.scales[:, None]
 
 
 def quantize_int4(weight: torch.Tensor, tol: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
