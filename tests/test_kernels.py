@@ -156,3 +156,65 @@ def test_int4_model_mixes_formats_and_keeps_greedy_speculation_exact():
     plain = [o.token_ids for o in LLM(target, proposer="none").generate(prompts, params)]
     spec = LLM(target, draft=draft, proposer="draft", k=3).generate(prompts, params)
     assert [o.token_ids for o in spec] == plain
+
+
+def attention_reference(q, keys, values, positions, scale):
+    """float64, row by row: q (B, H, T, D), keys/values (B, H_kv, S, D) -> (B, T, H, D)."""
+    b, h, t, d = q.shape
+    g = h // keys.shape[1]
+    out = torch.empty(b, t, h, d, dtype=torch.float64)
+    for i in range(b):
+        for j in range(t):
+            p = int(positions[i, j])
+            for head in range(h):
+                k, v = keys[i, head // g, : p + 1].double(), values[i, head // g, : p + 1].double()
+                w = torch.softmax(k @ q[i, head, j].double() * scale, dim=0)
+                out[i, j, head] = w @ v
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("b,h,hkv,t,d,s", [(1, 12, 2, 1, 128, 40), (2, 12, 2, 5, 128, 300), (3, 4, 4, 2, 20, 9)])
+def test_attend_rows_matches_reference_and_is_row_exact(b, h, hkv, t, d, s):
+    torch.manual_seed(b * 100 + t)
+    q = torch.randn(b, h, t, d)
+    cache = torch.randn(2, b + 1, hkv, s + 7, d)                 # a larger cache, read through a slice
+    keys, values = cache[0, 1:, :, :s], cache[1, 1:, :, :s]
+    positions = torch.stack([torch.arange(s - t - i, s - i) for i in range(b)])   # (B, T)
+    out = kernels.attend_rows(q, keys, values, positions, d ** -0.5)
+    ref = attention_reference(q, keys, values, positions, d ** -0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    for i in range(b):                                           # one row alone equals that row in the pass
+        for j in range(t):
+            alone = kernels.attend_rows(q[i:i + 1, :, j:j + 1], keys[i:i + 1], values[i:i + 1],
+                                        positions[i:i + 1, j:j + 1], d ** -0.5)
+            assert torch.equal(alone[0, 0], out[i, j])
+
+
+@needs_kernel
+def test_attend_rows_declines_what_it_cannot_read_and_refuses_bad_positions():
+    q, kv = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 4, 8)
+    assert kernels.attend_rows(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), torch.tensor([[3]]), 1.0) is None
+    assert kernels.attend_rows(q, kv.transpose(2, 3), kv.transpose(2, 3), torch.tensor([[3]]), 1.0) is None
+    with pytest.raises(ValueError, match="outside"):
+        kernels.attend_rows(q, kv, kv, torch.tensor([[4]]), 1.0)
+
+
+def test_attention_fallback_loop_matches_the_kernel(monkeypatch):
+    """The torch loop (no compiler, other dtypes) computes the same attention as the kernel."""
+    from verispec.models import transformer
+
+    torch.manual_seed(5)
+    q, keys, values = torch.randn(2, 6, 3, 16), torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
+    positions = torch.tensor([[5, 6, 7], [7, 8, 9]])
+
+    class View:
+        position_lists = positions.tolist()
+
+    View.positions = positions
+    ref = attention_reference(q, keys, values, positions, 0.25)
+    fast = transformer._attend_rows(q, keys, values, View, 0.25)
+    monkeypatch.setattr(transformer.kernels, "available", lambda: False)
+    slow = transformer._attend_rows(q, keys, values, View, 0.25)
+    for out in (fast, slow):
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)

@@ -1,8 +1,8 @@
 """Native CPU kernels, compiled on first use with the system C compiler and cached.
 
 `gemm.c` holds the quantized matmuls (int8 weights per channel with activations rounded to 16-bit
-integers per row and integer dot products; int4 per group of 32) for AVX2 + FMA CPUs (see its
-header). It is
+integers per row and integer dot products; int4 per group of 32) and row-by-row attention for
+decode and verify passes, for AVX2 + FMA CPUs (see its header). It is
 built once into `$VERISPEC_CACHE/kernels/` (about a second with gcc) and opened with ctypes; its
 OpenMP pool is the one torch already loaded (same `libgomp.so.1`), so the two never fight for
 cores. Without a compiler, without AVX2/FMA, or with VERISPEC_KERNELS=off, `int8_gemm()` is None
@@ -76,14 +76,15 @@ def _load():
             return None
     try:
         lib = ctypes.CDLL(str(lib_path))
-        if lib.verispec_kernels_abi() != 7:
+        if lib.verispec_kernels_abi() != 8:
             raise OSError("ABI mismatch")
     except OSError as err:
         _status = f"unavailable: loading {lib_path} failed ({err})"
         return None
     lib.verispec_int8_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.verispec_int4_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    lib.verispec_int8_gemm.restype = lib.verispec_int4_gemm.restype = ctypes.c_int
+    lib.verispec_attend_rows.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int]
+    lib.verispec_int8_gemm.restype = lib.verispec_int4_gemm.restype = lib.verispec_attend_rows.restype = ctypes.c_int
     _status = f"active ({lib_path.name})"
     return lib
 
@@ -141,3 +142,28 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins:
                               y.data_ptr(), m, n, k, torch.get_num_threads()):
         raise ValueError(f"int4_gemm needs K divisible by 32, got {k}")
     return y
+
+
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                scale: float) -> torch.Tensor | None:
+    """Each query row attends over exactly its own prefix (see gemm.c), or None when the tensors do not
+    fit the kernel (not float32, or keys/values not contiguous along the head dimension) and the
+    caller should use its own loop.
+
+    q (B, H, T, D), keys and values (B, H_kv, S, D) sharing strides, positions (B, T) int64 ->
+    out (B, T, H, D) float32 contiguous."""
+    b, h, t, d = q.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    if (q.dtype != torch.float32 or keys.dtype != torch.float32 or values.dtype != torch.float32
+            or keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != d or h % hkv):
+        return None
+    q = q.contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    if int(positions.max()) >= s or int(positions.min()) < 0:
+        raise ValueError(f"attend_rows: positions outside the {s} cached keys")
+    out = torch.empty(b, t, h, d, dtype=torch.float32)
+    if _load().verispec_attend_rows(q.data_ptr(), keys.data_ptr(), values.data_ptr(), positions.data_ptr(),
+                                    out.data_ptr(), b, h, hkv, t, d, s, keys.stride(0), keys.stride(1), scale,
+                                    torch.get_num_threads()):
+        raise MemoryError("attend_rows: no memory for the scores")
+    return out

@@ -27,6 +27,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define BLK 16          /* output columns per packed block */
 #define MG 6            /* activation rows per group */
@@ -238,5 +241,148 @@ int verispec_int4_gemm(const float *x, const uint8_t *q, const float *scale, con
     return 0;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * Attention for decode and verify rows: each query row attends over exactly its own prefix.
+ *   q   (B, H, T, D) contiguous;  keys, values: (B, H_kv, S, D) with strides (sb, sh, D), D contiguous;
+ *   pos (B, T) int64: row (b, t) sees keys 0 … pos[b, t];  out (B, T, H, D) contiguous (o_proj's input).
+ * A work item is one row and one KV head with its G query heads, so each key and value row is read
+ * once for all G heads (G independent FMA chains). Per head: scores in order over s, softmax (max,
+ * exp, sum in 8 lanes then across them), then Σ_s p_s · v_s in order — a fixed sequence of operations
+ * that depends only on that row's query and prefix, never on how many rows share the pass, so a K+1
+ * verify row equals a 1-token decode step bit for bit.
+ */
+#define GMAX 8          /* query heads per KV head handled together (more: in several passes) */
+
+/* exp for x ≤ 0 (softmax arguments), Cephes' range reduction and polynomial: relative error ~1e-7. */
+static inline __m256 exp_neg(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* G ≤ GMAX query rows qr[g] (each D floats) against keys 0 … p: w[g·SP + s] = scale · q_g · k_s. */
+static inline __attribute__((always_inline)) void scores(const float *const *qr, const int G, const float *kb, long p, long D, float scale, float *w, long SP) {
+    for (long s = 0; s <= p; s++) {
+        const float *k = kb + s * D;
+        __m256 acc[GMAX];
+        for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
+        long d = 0;
+        for (; d + 8 <= D; d += 8) {
+            __m256 kv = _mm256_loadu_ps(k + d);
+            for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[g] + d), kv, acc[g]);
+        }
+        for (int g = 0; g < G; g++) {
+            float v = hsum(acc[g]);
+            for (long dd = d; dd < D; dd++) v = fmaf(qr[g][dd], k[dd], v);
+            w[g * SP + s] = v * scale;
+        }
+    }
+}
+
+/* In place: w[0 … p] -> exp(w - max); returns 1 / Σ. Lanes past p are set to zero. */
+static float softmax_row(float *w, long p) {
+    long n = p + 1, n8 = (n + 7) / 8 * 8;
+    float mx = -INFINITY;
+    for (long s = 0; s < n; s++) mx = w[s] > mx ? w[s] : mx;
+    for (long s = n; s < n8; s++) w[s] = -INFINITY;
+    __m256 vmx = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
+    for (long s = 0; s < n8; s += 8) {
+        __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(w + s), vmx));
+        e = s + 8 > n ? _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                            _mm256_set1_epi32((int)(n - s)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))) : e;
+        _mm256_storeu_ps(w + s, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return 1.0f / hsum(sum);
+}
+
+/* out_g[d] = inv[g] · Σ_{s ≤ p} w[g·SP + s] · v_s[d], 16 dimensions at a time for all G heads. */
+static inline __attribute__((always_inline)) void mix_values(const float *w, long SP, const float *inv, const int G, const float *vb, long p, long D,
+                       float *const *out) {
+    long d = 0;
+    for (; d + 16 <= D; d += 16) {
+        __m256 acc[GMAX][2];
+        for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+        for (long s = 0; s <= p; s++) {
+            __m256 v0 = _mm256_loadu_ps(vb + s * D + d), v1 = _mm256_loadu_ps(vb + s * D + d + 8);
+            for (int g = 0; g < G; g++) {
+                __m256 ws = _mm256_broadcast_ss(w + g * SP + s);
+                acc[g][0] = _mm256_fmadd_ps(ws, v0, acc[g][0]);
+                acc[g][1] = _mm256_fmadd_ps(ws, v1, acc[g][1]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm256_storeu_ps(out[g] + d, _mm256_mul_ps(acc[g][0], _mm256_set1_ps(inv[g])));
+            _mm256_storeu_ps(out[g] + d + 8, _mm256_mul_ps(acc[g][1], _mm256_set1_ps(inv[g])));
+        }
+    }
+    for (; d < D; d++)
+        for (int g = 0; g < G; g++) {
+            float acc = 0.0f;
+            for (long s = 0; s <= p; s++) acc = fmaf(w[g * SP + s], vb[s * D + d], acc);
+            out[g][d] = acc * inv[g];
+        }
+}
+
+/* One row and one KV head: G query heads (a compile-time constant, so the G accumulators live in
+   registers), scratch w of G × SP floats. */
+#define ATTEND_GROUP(G)                                                                          \
+    static void group_##G(const float *const *qr, float *const *o, const float *kb, const float *vb, \
+                          long p, long D, float scale, float *w, long SP) {                        \
+        float inv[G];                                                                            \
+        scores(qr, G, kb, p, D, scale, w, SP);                                                   \
+        for (int g = 0; g < G; g++) inv[g] = softmax_row(w + g * SP, p);                         \
+        mix_values(w, SP, inv, G, vb, p, D, o);                                                  \
+    }
+ATTEND_GROUP(1) ATTEND_GROUP(2) ATTEND_GROUP(3) ATTEND_GROUP(4)
+ATTEND_GROUP(5) ATTEND_GROUP(6) ATTEND_GROUP(7) ATTEND_GROUP(8)
+typedef void (*group_fn)(const float *const *, float *const *, const float *, const float *, long, long, float,
+                         float *, long);
+static const group_fn GROUPS[GMAX + 1] = {0, group_1, group_2, group_3, group_4, group_5, group_6, group_7, group_8};
+
+int verispec_attend_rows(const float *q, const float *keys, const float *values, const int64_t *pos, float *out,
+                         long B, long H, long Hkv, long T, long D, long S, long sb, long sh, float scale,
+                         int threads) {
+    long G = H / Hkv, SP = (S + 7) / 8 * 8, items = B * T * Hkv;
+    float *scratch = malloc(sizeof(float) * SP * GMAX * threads);
+    if (!scratch) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *w = scratch;
+#ifdef _OPENMP
+        w += SP * GMAX * omp_get_thread_num();
+#endif
+#pragma omp for schedule(static)
+        for (long it = 0; it < items; it++) {
+            long b = it / (T * Hkv), t = it / Hkv % T, kh = it % Hkv, p = pos[b * T + t];
+            const float *kb = keys + b * sb + kh * sh, *vb = values + b * sb + kh * sh;
+            for (long g0 = 0; g0 < G; g0 += GMAX) {
+                int gn = G - g0 < GMAX ? (int)(G - g0) : GMAX;
+                const float *qr[GMAX];
+                float *o[GMAX];
+                for (int g = 0; g < gn; g++) {
+                    long h = kh * G + g0 + g;
+                    qr[g] = q + ((b * H + h) * T + t) * D;
+                    o[g] = out + ((b * T + t) * H + h) * D;
+                }
+                GROUPS[gn](qr, o, kb, vb, p, D, scale, w, SP);
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
 /* Lets the loader check that the library it opened is this file's build. */
-int verispec_kernels_abi(void) { return 7; }
+int verispec_kernels_abi(void) { return 8; }

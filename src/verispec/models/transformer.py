@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec import kernels
 from verispec.config import ModelConfig
 from verispec.models.kv_cache import CacheView
 
@@ -93,22 +94,34 @@ class Attention(nn.Module):
         keys, values = keys.to(q.dtype), values.to(q.dtype)
         gqa = self.n_heads != self.n_kv
         if t <= ROW_EXACT_MAX_T:
-            # Decode and verify passes: each query row attends over exactly its own prefix, with the
-            # same kernel call a one-token decode step makes. A row's result then never depends on
+            # Decode and verify passes: each query row attends over exactly its own prefix, by the same
+            # sequence of operations a one-token decode step uses. A row's result then never depends on
             # how many rows share the pass (K+1 verify vs 1-token decode, batch vs alone).
-            # GQA without repeating keys: the G query heads sharing a KV head act as G queries.
-            g = self.n_heads // self.n_kv
-            qg = q.view(b, self.n_kv, g, t, self.head_dim).transpose(2, 3)     # (B, H_kv, T, G, D)
-            out = torch.empty_like(qg)
-            scale = self.head_dim ** -0.5
-            for i, row_positions in enumerate(cache.position_lists):
-                for j, p in enumerate(row_positions):
-                    scores = torch.matmul(qg[i, :, j], keys[i, :, : p + 1].transpose(1, 2)) * scale
-                    out[i, :, j] = torch.matmul(torch.softmax(scores, dim=-1), values[i, :, : p + 1])
-            out = out.transpose(2, 3).reshape(b, self.n_heads, t, self.head_dim)
+            out = _attend_rows(q, keys, values, cache, self.head_dim ** -0.5)      # (B, T, H, D)
         else:                                                                 # prefill: one masked call
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+            out = out.transpose(1, 2)                                         # (B, T, H, D)
+        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
+
+
+def _attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache: CacheView,
+                 scale: float) -> torch.Tensor:
+    """q (B, H, T, D), keys/values (B, H_kv, S, D) -> (B, T, H, D): the native kernel on CPU float32,
+    else one pair of matmuls per row (GQA without repeating keys: the G query heads that share a KV
+    head act as G queries)."""
+    if q.device.type == "cpu" and kernels.available():
+        out = kernels.attend_rows(q, keys, values, cache.positions, scale)
+        if out is not None:
+            return out
+    b, h, t, d = q.shape
+    n_kv = keys.shape[1]
+    qg = q.reshape(b, n_kv, h // n_kv, t, d).transpose(2, 3)                 # (B, H_kv, T, G, D)
+    out = torch.empty_like(qg)
+    for i, row_positions in enumerate(cache.position_lists):
+        for j, p in enumerate(row_positions):
+            scores = torch.matmul(qg[i, :, j], keys[i, :, : p + 1].transpose(1, 2)) * scale
+            out[i, :, j] = torch.matmul(torch.softmax(scores, dim=-1), values[i, :, : p + 1])
+    return out.transpose(2, 3).reshape(b, h, t, d).transpose(1, 2)
 
 
 class MLP(nn.Module):
