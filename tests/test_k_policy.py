@@ -187,3 +187,27 @@ def test_a_batch_does_not_start_drafting_when_catch_ups_cost_more_than_they_save
     seqs = [SimpleNamespace(slot=i, generated=[], params=SamplingParams(temperature=0, max_tokens=30)) for i in (0, 1)]
     assert p.choose_round(seqs, ["draft", "draft"]) != [0, 0]
     assert p.choose_round(seqs, ["draft", "draft"], backlogs=[800, 800]) == [0, 0]
+
+
+def test_short_lookup_matches_start_at_plain_decoding_and_long_ones_speculate():
+    """Priors by match length (ngram.py): at c_p(2) = 1.3 c_p(1) a 1-token match (≈ 20 % accepted)
+    does not pay for the wider pass, a 3-token match (≈ 70 %) does."""
+    from verispec.engine.k_policy import prior_rate
+
+    p = KPolicy("auto")
+    p.costs.record_verify(1, 0.10)
+    for n in range(2, 10):
+        p.costs.record_verify(n, 0.10 + 0.03 * (n - 1))
+    assert prior_rate("ngram:1") < prior_rate("ngram:2") < prior_rate("ngram:3")
+    assert p.choose(0, "ngram:1", remaining=100) == 0
+    assert p.choose(1, "ngram:3", remaining=100) > 0
+    assert prior_rate("ngram:7") == prior_rate("ngram:3") and prior_rate("retrieval") == 0.5
+
+
+def test_speculation_must_beat_plain_decoding_by_the_margin():
+    from verispec.engine.k_policy import MARGIN
+
+    c_p = flat(1.0, 0.2)                                      # c_p(2) = 1.2 c_p(1)
+    breakeven = 0.2                                           # (1 + a) / 1.2 = 1  <=>  a = 0.2
+    assert choose_k([breakeven + 0.02] * 8, c_p, c_q=0.0, k_max=1) == 0          # +1.7 %: not worth it
+    assert choose_k([(1 + 2 * MARGIN) * 1.2 - 1] * 8, c_p, c_q=0.0, k_max=1) == 1  # +10 %: speculate

@@ -27,3 +27,29 @@ def test_no_match_and_k_zero():
 def test_continuation_is_capped_at_k_and_at_the_end():
     assert lookup([4, 5, 6, 7, 8, 4, 5], k=2) == [6, 7]
     assert lookup([4, 5, 4], k=5) == [5, 4]
+
+
+def test_lookup_match_reports_the_matched_length():
+    from verispec.proposers.ngram import lookup_match, match_source
+
+    assert lookup_match([2, 9, 1, 2, 3, 4, 1, 2], k=2) == (2, [3, 4])
+    assert lookup_match([5, 6, 7, 9, 6, 7, 8, 6, 7], k=2) == (2, [8, 6])
+    assert lookup_match([1, 2, 3, 4], k=3) == (0, [])
+    assert [match_source(n) for n in (0, 1, 3)] == ["none", "ngram:1", "ngram:3"]
+
+
+def test_each_match_length_is_its_own_source_for_the_k_policy():
+    """source_for tells the policy how long the match is (it keeps an acceptance estimate per length);
+    nothing to match means nothing to speculate on."""
+    from types import SimpleNamespace
+
+    from verispec.proposers.ngram import NgramProposer
+
+    p = NgramProposer()
+    long_match = SimpleNamespace(slot=0, tokens=[7, 8, 9, 1, 7, 8, 9])
+    short_match = SimpleNamespace(slot=1, tokens=[3, 1, 4, 5, 3])
+    no_match = SimpleNamespace(slot=2, tokens=[1, 2, 3])
+    assert [p.source_for(s) for s in (long_match, short_match, no_match)] == ["ngram:3", "ngram:1", "none"]
+    proposal = p.propose([long_match, short_match, no_match], [2, 2, 2])
+    assert proposal.tokens.tolist() == [[1, 7], [1, 4], [0, 0]] and proposal.num_draft.tolist() == [2, 2, 0]
+    assert proposal.source == ["ngram:3", "ngram:1", "none"]

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from verispec.cli import invocation
 from verispec.cli.generate import add_model_args
 from verispec.errors import VerispecError
 
@@ -92,7 +93,7 @@ def run(args) -> int:
     with progress_bar() as progress:
         result = run_bench(target, draft, prompts, modes, _floats(args.temperatures), args.max_tokens,
                            args.repeats, _ints(args.batch_sizes), peers=peers, progress=progress)
-    result["command"] = " ".join(sys.argv)
+    result["command"] = invocation()
     print_summary(result)
     if args.plot:
         from verispec.bench.plots import write_plots

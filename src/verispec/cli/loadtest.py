@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+from verispec.cli import invocation
 from verispec.errors import VerispecError
 
 
@@ -146,7 +147,7 @@ def run(args) -> int:
         by_server.setdefault(r["server"], []).append(r)
     tables = "\n\n".join(format_rows(label, rows) for label, rows in by_server.items())
     print(tables)
-    command = "verispec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = invocation()
     if args.json_file:
         import torch
 

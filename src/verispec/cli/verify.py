@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from verispec.cli import invocation
 from verispec.cli.generate import add_model_args, build_llm
 from verispec.errors import VerispecError
 
@@ -53,6 +54,6 @@ def run(args) -> int:
     print(f"verdict: {report['verdict']} (Bonferroni threshold p < {report['threshold']:.2g}; "
           f"this run detects biases of total variation ≳ {report['resolution_tv']:.3f})")
     if args.json_file:
-        report["command"] = " ".join(sys.argv)
+        report["command"] = invocation()
         Path(args.json_file).write_text(json.dumps(report, indent=1, default=str))
     return 1 if report["verdict"] == "biased" else 0

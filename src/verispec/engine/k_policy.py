@@ -7,7 +7,8 @@ token, c_p(n) one target pass over n tokens. We pick
 
     K* = argmax_{K ∈ 0 … K_max}  E(K) / (K·c_q + c_p(K+1)),
 
-so K = 0 (plain decoding for that round) wins whenever speculation does not pay. With a constant
+so K = 0 (plain decoding for that round) wins whenever speculation does not pay — or pays by less
+than MARGIN (5 %), which is inside the error of the estimates themselves. With a constant
 rate a this is the DESIGN formula E = (1 − a^{K+1}) / (1 − a).
 
 Costs are measured on the fly (exponential moving averages of every verify pass and proposal);
@@ -29,7 +30,9 @@ from dataclasses import dataclass, field
 
 EMA = 0.2                 # weight of a new measurement
 PRIOR_SLOPE = 0.35        # unmeasured c_p(n) ≈ c_p(m) + slope · c_p(1) · (n − m)
-PRIOR_RATE = {"draft": 0.7, "ngram": 0.5}
+# Acceptance before anything is measured, by source. Prompt lookup by match length (ngram.py): the
+# first-token rates measured on the bundled suite, greedy — 0.21 / 0.50 / 0.70 after 1 / 2 / 3 tokens.
+PRIOR_RATE = {"draft": 0.7, "ngram": 0.5, "ngram:1": 0.2, "ngram:2": 0.5, "ngram:3": 0.7}
 PROBE_EVERY = 16          # after this many K = 0 rounds, try K = 1 once to refresh the estimate …
 PROBE_MAX = 256           # … doubling the wait after each probe that did not revive speculation
 SHARED_EMA = 0.05         # weight of one sequence's round in the shared (cross-sequence) prior
@@ -39,6 +42,24 @@ STATIC_SLOPE = 0.2
 STATIC_C_Q = {"draft": 0.4}
 CATCHUP_PRIOR = 0.2       # unmeasured catch-up cost per token, as a fraction of the proposer's c_q
 STATIC_CATCHUP = {"draft": 0.1}
+
+
+# Speculate only when the model predicts at least this much more tokens per second than plain
+# decoding: below it the estimate's own error decides (acceptance learned from a few rounds, costs
+# that move ±5 % on a shared machine), and a K > 0 round that does not pay costs a whole wider pass.
+MARGIN = 0.05
+
+
+def prior_rate(source: str) -> float:
+    """PRIOR_RATE[source]; a lookup match longer than the table's longest takes the longest's; any
+    other source that of its proposer ('retrieval'), else 0.5."""
+    if source in PRIOR_RATE:
+        return PRIOR_RATE[source]
+    name, _, n = source.partition(":")
+    lengths = [int(key.partition(":")[2]) for key in PRIOR_RATE if key.startswith(name + ":")]
+    if n.isdigit() and lengths and int(n) > max(lengths):
+        return PRIOR_RATE[f"{name}:{max(lengths)}"]
+    return PRIOR_RATE.get(name, 0.5)
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -51,8 +72,10 @@ def expected_tokens(rates: list[float], k: int) -> float:
 
 
 def choose_k(rates: list[float], c_p, c_q: float, k_max: int) -> int:
-    """argmax over K ∈ 0 … k_max of E(K) / (K·c_q + c_p(K+1)); ties go to the smaller K."""
-    best_k, best = 0, 1.0 / c_p(1)
+    """argmax over K ∈ 0 … k_max of E(K) / (K·c_q + c_p(K+1)); ties go to the smaller K, and K > 0
+    must beat plain decoding (K = 0) by MARGIN."""
+    plain = 1.0 / c_p(1)
+    best_k, best = 0, plain * (1 + MARGIN)
     for k in range(1, min(k_max, len(rates)) + 1):
         value = expected_tokens(rates, k) / (k * c_q + c_p(k + 1))
         if value > best * (1 + 1e-9):
@@ -135,7 +158,7 @@ class AcceptanceEstimate:
     @classmethod
     def prior(cls, source: str, k_max: int, shared: list[float] | None = None,
               regime: str = "greedy") -> "AcceptanceEstimate":
-        return cls(list(shared) if shared else [PRIOR_RATE.get(source, 0.5)] * k_max, regime=regime)
+        return cls(list(shared) if shared else [prior_rate(source)] * k_max, regime=regime)
 
     def update(self, proposed: int, accepted: int) -> None:
         """Positions 0 … min(accepted, proposed−1) were reached; those < accepted were accepted.
@@ -240,7 +263,7 @@ class KPolicy:
             return ks
         ests = [self._estimate(seqs[i].slot, sources[i], seqs[i].params.greedy) for i in joint]
         c_q = max(self.costs.c_q(sources[i]) for i in joint)
-        best_k, best = 0, len(joint) / self.costs.c_p(1, batch)
+        best_k, best = 0, len(joint) / self.costs.c_p(1, batch) * (1 + MARGIN)
         for k in range(1, self.k_max + 1):
             value = sum(expected_tokens(e.rates, min(k, max(0, remaining[i] - 1)))
                         for e, i in zip(ests, joint)) / (k * c_q + self.costs.c_p(k + 1, batch))
@@ -262,7 +285,7 @@ class KPolicy:
             return
         est = self._estimate(slot, source, use_shared=False)
         est.update(proposed, accepted)
-        shared = self.shared.setdefault((source, est.regime), [PRIOR_RATE.get(source, 0.5)] * self.k_max)
+        shared = self.shared.setdefault((source, est.regime), [prior_rate(source)] * self.k_max)
         for i in range(min(accepted + 1, proposed)):
             shared[i] = (1 - SHARED_EMA) * shared[i] + SHARED_EMA * (1.0 if i < accepted else 0.0)
 

@@ -70,8 +70,9 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
         s.metrics.draft_s += t1 - t0
         s.metrics.verify_s += t2 - t1
         s.metrics.other_s += t3 - t2
-        if k:
-            s.metrics.sources[src] = s.metrics.sources.get(src, 0) + 1
+        if k:                                   # by proposer ('ngram:3' counts as ngram)
+            name = src.split(":")[0]
+            s.metrics.sources[name] = s.metrics.sources.get(name, 0) + 1
     steps = proposal.steps or {proposer.name: (max(num_draft, default=0), t1 - t0)}
     return RoundReport(num_draft, result.num_accepted.tolist(), sources, max(num_draft, default=0) + 1,
                        t2 - t1, steps, proposal.catchup)

@@ -11,7 +11,7 @@ import torch
 from verispec.models import Transformer
 from verispec.proposers.base import Proposal, Proposer, register
 from verispec.proposers.draft import DraftModelProposer
-from verispec.proposers.ngram import lookup
+from verispec.proposers.ngram import lookup_match, match_source
 
 
 @register("hybrid")
@@ -20,18 +20,20 @@ class HybridProposer(Proposer):
         self.draft = DraftModelProposer(draft, target_vocab)
         self.target_vocab = target_vocab
         self.n_max, self.n_min, self.k_max = n_max, n_min, k_max
-        self._lookups: dict[int, tuple[int, list[int]]] = {}   # slot -> (tokens seen, continuation)
+        self._lookups: dict[int, tuple[int, int, list[int]]] = {}   # slot -> (tokens seen, match length, continuation)
 
-    def _lookup(self, seq) -> list[int]:
+    def _lookup(self, seq) -> tuple[int, list[int]]:
         key = len(seq.tokens)
         cached = self._lookups.get(seq.slot)
         if cached is None or cached[0] != key:
-            cached = (key, lookup(seq.tokens, self.k_max, self.n_max, self.n_min))
+            cached = (key, *lookup_match(seq.tokens, self.k_max, self.n_max, self.n_min))
             self._lookups[seq.slot] = cached
-        return cached[1]
+        return cached[1], cached[2]
 
     def source_for(self, seq) -> str:
-        return "ngram" if self._lookup(seq) else "draft"
+        """'ngram:<match length>' when the suffix has a match (see ngram.py), else 'draft'."""
+        n, found = self._lookup(seq)
+        return match_source(n) if found else "draft"
 
     def backlog(self, seq) -> int:
         return self.draft.backlog(seq) if self.source_for(seq) == "draft" else 0
@@ -42,8 +44,9 @@ class HybridProposer(Proposer):
     def propose(self, seqs, ks):
         t0 = time.perf_counter()
         b = len(seqs)
-        found = [self._lookup(s)[:k] for s, k in zip(seqs, ks)]
-        sources = ["ngram" if f else "draft" for f in found]
+        matches = [self._lookup(s) for s in seqs]
+        found = [cont[:k] for (_, cont), k in zip(matches, ks)]
+        sources = [match_source(n) if cont else "draft" for n, cont in matches]
         t1 = time.perf_counter()
         draft_ks = [k if src == "draft" else 0 for k, src in zip(ks, sources)]
         from_draft = self.draft.propose(seqs, draft_ks)
@@ -53,7 +56,7 @@ class HybridProposer(Proposer):
         num = torch.zeros(b, dtype=torch.long)
         kd = from_draft.tokens.shape[1]
         for i, src in enumerate(sources):
-            if src == "ngram":
+            if src != "draft":
                 n = len(found[i])
                 tokens[i, :n] = torch.tensor(found[i], dtype=torch.long)
                 q[i, torch.arange(n), tokens[i, :n]] = 1.0          # point mass
@@ -62,7 +65,7 @@ class HybridProposer(Proposer):
                 tokens[i, :kd] = from_draft.tokens[i]
                 q[i, :kd] = from_draft.q[i]
                 num[i] = from_draft.num_draft[i]
-        steps = {"ngram": (1, t1 - t0)}
+        steps = {src: (1, t1 - t0) for src in set(sources) if src != "draft"}
         if max(draft_ks, default=0):
             steps["draft"] = from_draft.steps["draft"]          # drafting time without the catch-up
         return Proposal(tokens, num, q, sources, steps, from_draft.catchup)
