@@ -7,6 +7,12 @@ import torch
 
 from verispec.models import KVCache, Transformer
 
+# Up to this many new tokens per row a pass is bound by reading the weights, so sequences share one
+# pass; beyond it every row is compute-bound and padding the batch to its longest chunk would be
+# wasted work (a 500-token prompt next to a 50-token one: 2,000 rows computed for 550), so each
+# sequence's chunk gets a pass of its own.
+SHARED_PASS_MAX = 16
+
 
 class ModelRunner:
     def __init__(self, model: Transformer, num_slots: int = 0, max_len: int = 0, cache=None):
@@ -52,14 +58,17 @@ class ModelRunner:
         self.extend(slots, token_lists, chunk)
 
     def extend(self, slots: list[int], token_lists: list[list[int]], chunk: int = 512) -> None:
-        """Catch up: write token_lists[b][length(slot_b):-1], whatever each slot has not cached yet."""
+        """Catch up: write token_lists[b][length(slot_b):-1], whatever each slot has not cached yet.
+        Short catch-ups share a pass; longer ones run one sequence per pass (SHARED_PASS_MAX)."""
         todo = [(s, toks[self.length(s):-1]) for s, toks in zip(slots, token_lists)]
         offset = 0
         while True:
             part = [(s, toks[offset: offset + chunk]) for s, toks in todo if len(toks) > offset]
             if not part:
                 break
-            self.forward([s for s, _ in part], [c for _, c in part], rows=None)
-            for s, c in part:
-                self.cache.set_length(s, self.cache.lengths[s] + len(c))
+            shared = max(len(c) for _, c in part) <= SHARED_PASS_MAX
+            for group in [part] if shared else [[p] for p in part]:
+                self.forward([s for s, _ in group], [c for _, c in group], rows=None)
+                for s, c in group:
+                    self.cache.set_length(s, self.cache.lengths[s] + len(c))
             offset += chunk
