@@ -271,6 +271,13 @@ def serving_section(load: dict | None, current_kernel: str | None = None) -> lis
                    f"{f(r['e2e_s']['median'], '%.1f')} / {f(r['e2e_s']['p99'], '%.1f')}",
                    f(r["throughput_tok_s"]), f(r["goodput_tok_s"]), f(r.get("acceptance_rate"))]
                   for r in load["rows"]]) + [""]
+    plain = {r["concurrency"]: r["throughput_tok_s"] for r in load["rows"] if r["server"] == "--proposer none"}
+    idle = [r["throughput_tok_s"] / plain[r["concurrency"]] for r in load["rows"]
+            if r["server"] != "--proposer none" and r.get("acceptance_rate") is None and plain.get(r["concurrency"])]
+    if idle:
+        out += [f"The servers run one after the other, not interleaved, so their ratios carry the machine's drift: "
+                f"rows where the speculative server never speculated (acceptance –, the same work as plain) "
+                f"measured {min(idle):.2f}–{max(idle):.2f}x of plain throughput.", ""]
     out += ["At concurrency 16 both servers are bound by prefilling 16 prompts on 2 cores (TTFT of tens of "
             "seconds, so goodput under the default objectives is 0); those rows move by tens of percent between "
             "runs. Under `--k auto` a batch shares one K, which falls to 0 when the batch is wide enough that "
