@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 
 EMA = 0.2                 # weight of a new measurement
 PRIOR_SLOPE = 0.35        # unmeasured c_p(n) ≈ c_p(m) + slope · c_p(1) · (n − m)
-# Acceptance before anything is measured, by source. Prompt lookup by match length (ngram.py): the
-# first-token rates measured on the bundled suite, greedy — 0.21 / 0.50 / 0.70 after 1 / 2 / 3 tokens.
-PRIOR_RATE = {"draft": 0.7, "ngram": 0.5, "ngram:1": 0.2, "ngram:2": 0.5, "ngram:3": 0.7}
+# Acceptance before anything is measured, by source; prompt lookup by match length (ngram.py): the
+# first-token rates measured on the bundled suite, greedy — 0.21 / 0.50 / 0.70 after 1 / 2 / 3+ tokens.
+PRIOR_RATE = {"draft": 0.7, "ngram": 0.5}
+LOOKUP_PRIOR_RATE = (0.2, 0.5, 0.7)      # sources "ngram:1", "ngram:2", "ngram:3" and longer
 PROBE_EVERY = 16          # after this many K = 0 rounds, try K = 1 once to refresh the estimate …
 PROBE_MAX = 256           # … doubling the wait after each probe that did not revive speculation
 SHARED_EMA = 0.05         # weight of one sequence's round in the shared (cross-sequence) prior
@@ -51,14 +52,10 @@ MARGIN = 0.05
 
 
 def prior_rate(source: str) -> float:
-    """PRIOR_RATE[source]; a lookup match longer than the table's longest takes the longest's; any
-    other source that of its proposer ('retrieval'), else 0.5."""
-    if source in PRIOR_RATE:
-        return PRIOR_RATE[source]
+    """A match-length source ('ngram:2') from LOOKUP_PRIOR_RATE, any other from PRIOR_RATE (else 0.5)."""
     name, _, n = source.partition(":")
-    lengths = [int(key.partition(":")[2]) for key in PRIOR_RATE if key.startswith(name + ":")]
-    if n.isdigit() and lengths and int(n) > max(lengths):
-        return PRIOR_RATE[f"{name}:{max(lengths)}"]
+    if n.isdigit():
+        return LOOKUP_PRIOR_RATE[min(int(n), len(LOOKUP_PRIOR_RATE)) - 1]
     return PRIOR_RATE.get(name, 0.5)
 
 

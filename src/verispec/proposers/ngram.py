@@ -65,16 +65,23 @@ class NgramProposer(Proposer):
         self.n_max, self.n_min = n_max, n_min
         self._matched: dict[int, tuple[int, int]] = {}     # slot -> (tokens seen, match length)
 
-    def source_for(self, seq) -> str:
+    def _match_length(self, seq) -> int:
         key = len(seq.tokens)
         cached = self._matched.get(seq.slot)
         if cached is None or cached[0] != key:
             cached = self._matched[seq.slot] = (key, lookup_match(seq.tokens, 1, self.n_max, self.n_min)[0])
-        return match_source(cached[1])
+        return cached[1]
+
+    def source_for(self, seq) -> str:
+        return match_source(self._match_length(seq))
 
     def propose(self, seqs, ks):
         t0 = time.perf_counter()
-        found = [lookup_match(s.tokens, k, self.n_max, self.n_min) if k > 0 else (0, []) for s, k in zip(seqs, ks)]
+        # The longest match is already known (source_for): search only that length again.
+        found = []
+        for s, k in zip(seqs, ks):
+            n = self._match_length(s) if k > 0 else 0
+            found.append(lookup_match(s.tokens, k, n, n) if n else (0, []))
         k_max = max((len(d) for _, d in found), default=0)
         tokens = torch.zeros(len(seqs), k_max, dtype=torch.long)
         for i, (_, d) in enumerate(found):
