@@ -84,7 +84,22 @@ def suite_section(bench: dict | None) -> list[str]:
             if cells:
                 body.append([t, m] + [f(cells.get(c), "%.2fx") for c in cats + ["all"]])
     out += table(["T", "mode"] + cats + ["all"], body)
-    out += ["", "### `auto` against the rule \"never more than 3 % slower than plain in any category\"", ""]
+    out += ["", "### By category, accounted (speedup from counts: see below)", ""]
+    body = []
+    for t in temps:
+        for m in modes:
+            cells = {r["category"]: r.get("accounted_speedup") for r in bench["summary"]
+                     if r["temperature"] == t and r["mode"] == m and r["batch_size"] == 1}
+            if any(v is not None for v in cells.values()):
+                body.append([t, m] + [f(cells.get(c), "%.2fx") for c in cats + ["all"]])
+    out += table(["T", "mode"] + cats + ["all"], body)
+    out += ["", "Accounted speedup: plain decoding's c_p(1) for every token the rounds produced, over what the "
+            "rounds cost — c_p(K+1) per round from the run's K histogram and its measured pass costs, plus the "
+            "proposer's measured seconds (`accounted_speedup` in `bench/costs.py`). The machine's drift between "
+            "one run and the next does not enter it, so it resolves the few per cent that the wall-clock ratios "
+            "cannot; it leaves out per-round work outside the passes and prices every pass at its 128-token-context "
+            "cost, so it reads a little above the wall clock where speculation is frequent.", ""]
+    out += ["### `auto` against the rule \"never more than 3 % slower than plain in any category\"", ""]
     body = []
     for t in temps:
         for m in [m for m in modes if m.endswith("k=auto")]:
@@ -94,18 +109,23 @@ def suite_section(bench: dict | None) -> list[str]:
                 continue
             worst = min(cells, key=lambda r: r["speedup"])
             best = max(cells, key=lambda r: r["speedup"])
-            ok = worst["speedup"] >= 0.97
+            counted = [r for r in cells if r.get("accounted_speedup") is not None]
+            worst_acct = min(counted, key=lambda r: r["accounted_speedup"]) if counted else None
             spread = ", ".join(f"{x:.2f}" for x in worst.get("speedup_per_repeat", []))
             body.append([t, m, f"{worst['speedup']:.2f}x ({worst['category']})", spread or "–",
-                         f"{best['speedup']:.2f}x ({best['category']})", "yes" if ok else "**no**"])
-    out += table(["T", "mode", "worst category", "its repeats", "best category", "within 3 %"], body) + [""]
+                         f"{best['speedup']:.2f}x ({best['category']})",
+                         f"{worst_acct['accounted_speedup']:.2f}x ({worst_acct['category']})" if worst_acct else "–",
+                         "yes" if worst["speedup"] >= 0.97 else "**no**",
+                         "–" if worst_acct is None else "yes" if worst_acct["accounted_speedup"] >= 0.97 else "**no**"])
+    out += table(["T", "mode", "worst category (wall clock)", "its repeats", "best category (wall clock)",
+                  "worst category (accounted)", "within 3 % (wall clock)", "within 3 % (accounted)"], body) + [""]
     idle = [r["speedup"] for r in bench["summary"] if r["category"] != "all" and r["mode"] != "plain"
             and "tau" in r and r.get("acceptance_rate") is None and r["batch_size"] == 1]
     if idle:
         out += [f"Noise floor of this run: cells where a mode proposed nothing at all (so it did what plain "
-                f"did) measured {min(idle):.2f}–{max(idle):.2f}x of plain ({len(idle)} cells): differences "
-                f"smaller than that are not resolved by 2 prompts × {bench['max_tokens']} tokens × "
-                f"{repeats(bench)} repeat(s) per category.", ""]
+                f"did) measured {min(idle):.2f}–{max(idle):.2f}x of plain ({len(idle)} cells) on the wall "
+                f"clock: differences smaller than that are not resolved by 2 prompts × {bench['max_tokens']} "
+                f"tokens × {repeats(bench)} repeat(s) per category — the accounted figures are.", ""]
     return out
 
 

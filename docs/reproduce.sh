@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Every measurement behind docs/PERFORMANCE.md, in order, then the page itself.
-# About an hour and a half on the reference machine (2 cores). Run from the repository root on a quiet machine.
+# About an hour and three quarters on the reference machine (2 cores). Run from the repository root on a quiet machine.
 set -euo pipefail
 R=docs/results
 mkdir -p "$R"
 
 # Speculative modes on the bundled suite (12 prompts, 6 categories), greedy and T = 0.7, interleaved,
-# three repeats (about 35 minutes).
-verispec bench --modes ngram,draft,hybrid --ks auto --temperatures 0,0.7 --max-tokens 64 --repeats 3 \
+# four repeats (about 47 minutes).
+verispec bench --modes ngram,draft,hybrid --ks auto --temperatures 0,0.7 --max-tokens 64 --repeats 4 \
     --json $R/bench-suite.json --markdown $R/bench-suite.md --plot $R/plots
 # Costs of a target pass by width, and of each proposer.
 verispec profile --json $R/profile.json > $R/profile.txt

@@ -146,3 +146,26 @@ def test_llamacpp_peer_on_the_real_draft(real_pair):
     b = lookup.generate([ids], 0.0, 12, 0)[0]
     assert a["generated_tokens"] == 12 and a["token_ids"] == b["token_ids"]
     assert "return a - b" in draft.tokenizer.decode(a["token_ids"])
+
+
+def test_accounted_speedup_prices_each_round_by_its_width():
+    """Two rounds of K = 2 that each emitted 3 tokens, and two plain rounds: 8 tokens. Plain decoding
+    spends 8 · c_p(1); the rounds spent 2 · c_p(3) + 2 · c_p(1) + the proposer's seconds."""
+    from verispec.bench.costs import accounted_speedup
+
+    c_p = {1: 0.1, 3: 0.15}
+    spec = {"rounds": 4, "accepted": 4, "k_histogram": {"0": 2, "2": 2}, "draft_s": 0.01}
+    assert accounted_speedup([spec], c_p) == pytest.approx(0.8 / (2 * 0.15 + 2 * 0.1 + 0.01))
+    # a proposer that never proposed costs exactly plain decoding
+    idle = {"rounds": 5, "accepted": 0, "k_histogram": {"0": 5}, "draft_s": 0.0}
+    assert accounted_speedup([idle], c_p) == pytest.approx(1.0)
+    assert accounted_speedup([idle], {1: 0.1}) is None       # nothing to price wider passes with
+
+
+def test_pass_costs_between_and_beyond_the_measured_widths_are_interpolated():
+    from verispec.bench.costs import c_p_at
+
+    c_p = {1: 1.0, 3: 2.0, 5: 4.0}
+    assert c_p_at(c_p, 3) == 2.0
+    assert c_p_at(c_p, 2) == pytest.approx(1.5) and c_p_at(c_p, 4) == pytest.approx(3.0)
+    assert c_p_at(c_p, 7) == pytest.approx(6.0)               # along the widest two

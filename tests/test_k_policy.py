@@ -2,7 +2,8 @@
 
 import pytest
 
-from verispec.engine.k_policy import AcceptanceEstimate, CostModel, KPolicy, choose_k, expected_tokens
+from verispec.engine.k_policy import (EMA, PRIOR_WEIGHT, AcceptanceEstimate, CostModel, KPolicy, choose_k,
+                                      expected_tokens)
 
 
 def flat(c1: float, slope: float):
@@ -51,6 +52,35 @@ def test_acceptance_estimate_updates_reached_positions_and_extends_the_deepest()
     for _ in range(10):
         e.update(proposed=1, accepted=1)  # always accepted at K = 1: deeper positions look as good
     assert e.rates[1] == e.rates[0] > 0.85
+
+
+def test_the_prior_counts_as_a_few_observations_then_the_estimate_keeps_moving():
+    e = AcceptanceEstimate([0.7])
+    e.update(proposed=1, accepted=0)
+    assert e.rates[0] == pytest.approx(0.7 * PRIOR_WEIGHT / (PRIOR_WEIGHT + 1))   # mean of prior and one miss
+    e.update(proposed=1, accepted=0)
+    assert e.rates[0] == pytest.approx(0.7 * PRIOR_WEIGHT / (PRIOR_WEIGHT + 2))
+    for _ in range(50):
+        e.update(proposed=1, accepted=1)
+    before = e.rates[0]
+    e.update(proposed=1, accepted=0)      # long past the prior: a miss weighs EMA, not 1 / 53
+    assert e.rates[0] == pytest.approx((1 - EMA) * before)
+
+
+def test_a_sequence_leaves_an_optimistic_prior_within_four_failed_rounds():
+    """A source whose prior (pooled from other sequences, say code edits) is far too good for this
+    sequence stops speculating after four misses (an EMA of 0.2 from the start would take five, each
+    failed round costing a wider pass for one token)."""
+    p = KPolicy("auto", k_max=4)
+    for n in range(1, 6):
+        p.costs.record_verify(n, 1.0 + 0.25 * (n - 1))
+    p.shared[("ngram:3", "greedy")] = [0.9] * 4
+    ks = []
+    for _ in range(6):
+        k = p.choose(0, "ngram:3", remaining=100)
+        ks.append(k)
+        p.observe(0, "ngram:3", k, 0)
+    assert all(k > 0 for k in ks[:4]) and ks[4:] == [0, 0]
 
 
 def test_always_accepted_cheap_lookup_climbs_past_k1():

@@ -39,6 +39,8 @@ def print_summary(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from verispec.bench.run import speedup_range
+
     c = result["costs"]
     console = Console()
     costs = ", ".join(f"c_p({n}) = {v * 1e3:.0f} ms" for n, v in c["c_p"].items())
@@ -46,7 +48,7 @@ def print_summary(result: dict) -> None:
         costs += f"; draft step c_q = {c['c_q_draft'] * 1e3:.0f} ms ({c['draft_to_target']:.2f} × c_p(1))"
     table = Table(title="verispec bench — speedup vs plain decoding in the same run", caption=costs)
     for name, justify in (("T", "right"), ("bs", "right"), ("category", "left"), ("mode", "left"),
-                          ("tok/s", "right"), ("speedup", "right"), ("pred.", "right"), ("acc.", "right"),
+                          ("tok/s", "right"), ("speedup", "right"), ("range", "right"), ("accounted", "right"), ("pred.", "right"), ("acc.", "right"),
                           ("τ", "right"), ("pred. τ", "right"), ("α", "right"), ("same", "center")):
         table.add_column(name, justify=justify, no_wrap=True)
 
@@ -64,6 +66,7 @@ def print_summary(result: dict) -> None:
         same = r.get("identical_to_plain")
         table.add_row(str(r["temperature"]), str(r["batch_size"]), r["category"], r["mode"],
                       f(r["tokens_per_s"], "%.2f"), f"[{colour}]{f(speed, '%.2fx')}[/]" if colour else f(speed, "%.2fx"),
+                      speedup_range(r), f(r.get("accounted_speedup"), "%.2fx"),
                       f(r.get("predicted_speedup"), "%.2fx"), f(r.get("acceptance_rate"), "%.2f"), f(r.get("tau"), "%.2f"),
                       f(r.get("predicted_tau"), "%.2f"), f(r.get("alpha"), "%.2f"),
                       "–" if same is None else ("[green]yes[/]" if same else "[red]NO[/]"))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.bench.costs import pass_cost, pass_costs, predicted_speedup
+from verispec.bench.costs import accounted_speedup, pass_cost, pass_costs, predicted_speedup
 from verispec.bench.suites import BenchPrompt
 from verispec.engine.llm import LLM
 from verispec.engine.params import SamplingParams
@@ -187,6 +187,8 @@ def _spec_summary(runs: list[dict], mode: Mode, costs: dict) -> dict:
            "per_position_acceptance": per_pos,
            "draft_s": sum(x["draft_s"] for x in s), "verify_s": sum(x["verify_s"] for x in s),
            "other_s": sum(x["other_s"] for x in s)}
+    if runs[0]["batch_size"] == 1:             # c_p is measured for one sequence
+        out["accounted_speedup"] = accounted_speedup(s, costs.get("c_p", {}))
     c_q = costs["c_q_draft"] if mode.proposer in ("draft", "hybrid") else 0.0
     if alpha is not None and isinstance(mode.k, int) and (k + 1) in costs["c_p"] and c_q is not None:
         out["predicted_speedup"] = predicted_speedup(alpha, k, c_q, costs["c_p"])
@@ -202,6 +204,14 @@ def _mean_k(specs: list[dict]) -> int:
     return round(sum(k * v for k, v in hist.items()) / sum(hist.values())) if hist else 0
 
 
+def speedup_range(row: dict) -> str:
+    """'lowest–highest' of a row's per-repeat speedups ('–' for plain or a single repeat)."""
+    ratios = row.get("speedup_per_repeat") or []
+    if row["mode"] == "plain" or len(ratios) < 2:
+        return "–"
+    return f"{min(ratios):.2f}–{max(ratios):.2f}"
+
+
 def environment() -> dict:
     import verispec
     from verispec.kernels import kernel_status
@@ -215,12 +225,13 @@ def format_table(result: dict) -> str:
     c = result["costs"]
     lines = ["measured costs: " + ", ".join(f"c_p({n})={v * 1e3:.0f}ms" for n, v in c["c_p"].items())
              + (f", c_q={c['c_q_draft'] * 1e3:.0f}ms (draft/target {c['draft_to_target']:.2f})" if c["c_q_draft"] else "")]
-    hdr = f"{'T':>4} {'bs':>3} {'category':<14} {'mode':<16} {'tok/s':>7} {'speedup':>8} {'pred':>6} {'accept':>7} {'tau':>5} {'pred_tau':>8} {'alpha':>6} {'same':>5}"
+    hdr = f"{'T':>4} {'bs':>3} {'category':<14} {'mode':<16} {'tok/s':>7} {'speedup':>8} {'range':>9} {'acct':>6} {'pred':>6} {'accept':>7} {'tau':>5} {'pred_tau':>8} {'alpha':>6} {'same':>5}"
     lines += [hdr, "-" * len(hdr)]
     f = lambda v, fmt: (fmt % v) if isinstance(v, (int, float)) else "-"
     for r in result["summary"]:
         lines.append(f"{r['temperature']:>4} {r['batch_size']:>3} {r['category']:<14} {r['mode']:<16} "
-                     f"{f(r['tokens_per_s'], '%.2f'):>7} {f(r['speedup'], '%.2fx'):>8} {f(r.get('predicted_speedup'), '%.2fx'):>6} "
+                     f"{f(r['tokens_per_s'], '%.2f'):>7} {f(r['speedup'], '%.2fx'):>8} {speedup_range(r):>9} "
+                     f"{f(r.get('accounted_speedup'), '%.2fx'):>6} {f(r.get('predicted_speedup'), '%.2fx'):>6} "
                      f"{f(r.get('acceptance_rate'), '%.0f%%' if False else '%.2f'):>7} {f(r.get('tau'), '%.2f'):>5} "
                      f"{f(r.get('predicted_tau'), '%.2f'):>8} {f(r.get('alpha'), '%.2f'):>6} "
                      f"{str(r.get('identical_to_plain', '-')):>5}")
@@ -240,13 +251,19 @@ def format_markdown(result: dict) -> str:
         out.append(f"| {n} | {v * 1e3:.0f} | {c['verify_ratio'][n]:.2f} |")
     if c["c_q_draft"]:
         out += ["", f"Draft step c_q = {c['c_q_draft'] * 1e3:.0f} ms = {c['draft_to_target']:.2f} × c_p(1)."]
-    out += ["", "## Results (tokens/s include prefill; speedup = median over repeats of tokens/s ÷ plain tokens/s on the same prompts in the same repeat)", "",
-            "| T | batch | category | mode | tok/s | speedup | predicted | acceptance | τ | predicted τ | α | same as plain |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out += ["", "## Results", "",
+            "tokens/s include prefill. speedup: median over repeats of tokens/s ÷ plain tokens/s on the same "
+            "prompts in the same repeat; range: the lowest and highest of those per-repeat ratios. accounted: "
+            "the speedup from counts — plain's c_p(1) per token produced over Σ c_p(K+1) per round plus the "
+            "proposer's seconds, with the c_p above (free of the machine's drift between runs; see "
+            "`accounted_speedup`). predicted: from α and a fixed K.", "",
+            "| T | batch | category | mode | tok/s | speedup | range | accounted | predicted | acceptance | τ | predicted τ | α | same as plain |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     f = lambda v, fmt: (fmt % v) if isinstance(v, (int, float)) else "–"
     for r in result["summary"]:
         out.append(f"| {r['temperature']} | {r['batch_size']} | {r['category']} | {r['mode']} | "
-                   f"{f(r['tokens_per_s'], '%.2f')} | {f(r['speedup'], '%.2fx')} | {f(r.get('predicted_speedup'), '%.2fx')} | "
+                   f"{f(r['tokens_per_s'], '%.2f')} | {f(r['speedup'], '%.2fx')} | {speedup_range(r)} | "
+                   f"{f(r.get('accounted_speedup'), '%.2fx')} | {f(r.get('predicted_speedup'), '%.2fx')} | "
                    f"{f(r.get('acceptance_rate'), '%.2f')} | {f(r.get('tau'), '%.2f')} | {f(r.get('predicted_tau'), '%.2f')} | "
                    f"{f(r.get('alpha'), '%.2f')} | {r.get('identical_to_plain', '–')} |")
     return "\n".join(out) + "\n"

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-EMA = 0.2                 # weight of a new measurement
+EMA = 0.2                 # weight of a new measurement (costs; acceptance once past its prior)
+PRIOR_WEIGHT = 2.0        # a sequence's acceptance prior counts as this many observations (see update)
 PRIOR_SLOPE = 0.35        # unmeasured c_p(n) ≈ c_p(m) + slope · c_p(1) · (n − m)
 # Acceptance before anything is measured, by source; prompt lookup by match length (ngram.py): the
 # first-token rates measured on the bundled suite, greedy — 0.21 / 0.50 / 0.70 after 1 / 2 / 3+ tokens.
@@ -146,6 +147,7 @@ class AcceptanceEstimate:
     """Running per-position acceptance rates of one sequence for one proposer source."""
 
     rates: list[float]
+    seen: list[int] = field(default_factory=list)      # observations per position so far
     zero_rounds: int = 0
     reached: int = 0          # deepest position ever verified + 1
     probe_every: int = PROBE_EVERY
@@ -159,12 +161,20 @@ class AcceptanceEstimate:
 
     def update(self, proposed: int, accepted: int) -> None:
         """Positions 0 … min(accepted, proposed−1) were reached; those < accepted were accepted.
+
+        The prior counts as PRIOR_WEIGHT observations: the n-th observation of a position weighs
+        1 / (PRIOR_WEIGHT + n) — the running mean of prior and outcomes — until that falls to EMA,
+        which then keeps the estimate moving. A sequence thus leaves a wrong prior after one or two
+        rounds instead of four or five (each a verify pass wider than plain decoding's).
         Positions never reached yet follow the deepest observed one, so a proposer that is always
         accepted at K gets to try K+1 instead of being held back by the prior."""
         depth = min(accepted + 1, proposed)
+        self.seen += [0] * (len(self.rates) - len(self.seen))
         for i in range(depth):
             hit = 1.0 if i < accepted else 0.0
-            self.rates[i] = (1 - EMA) * self.rates[i] + EMA * hit
+            self.seen[i] += 1
+            weight = max(EMA, 1.0 / (PRIOR_WEIGHT + self.seen[i]))
+            self.rates[i] += weight * (hit - self.rates[i])
         self.reached = max(self.reached, depth)
         for i in range(self.reached, len(self.rates)):
             self.rates[i] = self.rates[self.reached - 1]
