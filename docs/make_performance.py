@@ -129,6 +129,26 @@ def suite_section(bench: dict | None) -> list[str]:
     return out
 
 
+def fixedk_section(bench: dict | None) -> list[str]:
+    out = ["## Fixed K against `auto`, every proposer", ""]
+    if bench is None:
+        return out + missing("plain vs each proposer at fixed K vs auto", "bash docs/reproduce.sh")
+    out += [f"Command: `{command_line(bench)}` ([report](results/bench-fixedk.md)). All modes in one run, "
+            "interleaved prompt by prompt. Cells: wall-clock speedup / accounted speedup vs plain "
+            f"({repeats(bench)} repeat(s): the wall-clock figure moves by several per cent from run to run, "
+            "the accounted one does not).", ""]
+    cats = sorted({r["category"] for r in bench["summary"] if r["category"] != "all"})
+    body = []
+    for t in sorted({r["temperature"] for r in bench["summary"]}):
+        for m in [m for m in dict.fromkeys(r["mode"] for r in bench["summary"]) if m != "plain"]:
+            cells = {r["category"]: r for r in bench["summary"]
+                     if r["temperature"] == t and r["mode"] == m and r["batch_size"] == 1}
+            if cells:
+                body.append([t, m] + [f"{f(cells[c]['speedup'], '%.2fx')} / {f(cells[c].get('accounted_speedup'), '%.2fx')}"
+                                      if c in cells else "–" for c in cats + ["all"]])
+    return out + table(["T", "mode"] + cats + ["all"], body) + [""]
+
+
 def ksweep_section(bench: dict | None) -> list[str]:
     out = ["## Draft model: speedup against K", ""]
     if bench is None:
@@ -327,6 +347,7 @@ def main() -> None:
            "Reference machine: 2 cores (AMD EPYC, AVX2, no AVX-512), 24 GiB, no GPU, 2 threads. Timings on "
            "shared machines are noisy: compare ratios measured in one run, not absolute times across runs.", ""]
     out += suite_section(load("bench-suite.json"))
+    out += fixedk_section(load("bench-fixedk.json"))
     out += costs_section(load("profile.json"))
     out += ksweep_section(load("bench-ksweep.json"))
     out += batch_section(load("bench-batch.json"))

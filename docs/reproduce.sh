@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every measurement behind docs/PERFORMANCE.md, in order, then the page itself.
-# About an hour and three quarters on the reference machine (2 cores). Run from the repository root on a quiet machine.
+# About two hours and a quarter on the reference machine (2 cores). Run from the repository root on a quiet machine.
 set -euo pipefail
 R=docs/results
 mkdir -p "$R"
@@ -9,6 +9,9 @@ mkdir -p "$R"
 # four repeats (about 47 minutes).
 verispec bench --modes ngram,draft,hybrid --ks auto --temperatures 0,0.7 --max-tokens 64 --repeats 4 \
     --json $R/bench-suite.json --markdown $R/bench-suite.md --plot $R/plots
+# Every proposer at fixed K = 2 and 4 against auto, one repeat (about 27 minutes).
+verispec bench --modes ngram,draft,hybrid --ks 2,4,auto --temperatures 0,0.7 --max-tokens 64 --repeats 1 \
+    --json $R/bench-fixedk.json --markdown $R/bench-fixedk.md
 # Costs of a target pass by width, and of each proposer.
 verispec profile --json $R/profile.json > $R/profile.txt
 # Draft model K sweep (greedy) on a third of the suite.
