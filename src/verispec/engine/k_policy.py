@@ -154,6 +154,9 @@ class AcceptanceEstimate:
     probing: bool = False     # the last K > 0 was a probe
     regime: str = "greedy"    # greedy | sampled: which shared prior this sequence feeds
 
+    def __post_init__(self):
+        self.seen = self.seen or [0] * len(self.rates)
+
     @classmethod
     def prior(cls, source: str, k_max: int, shared: list[float] | None = None,
               regime: str = "greedy") -> "AcceptanceEstimate":
@@ -169,7 +172,6 @@ class AcceptanceEstimate:
         Positions never reached yet follow the deepest observed one, so a proposer that is always
         accepted at K gets to try K+1 instead of being held back by the prior."""
         depth = min(accepted + 1, proposed)
-        self.seen += [0] * (len(self.rates) - len(self.seen))
         for i in range(depth):
             hit = 1.0 if i < accepted else 0.0
             self.seen[i] += 1
