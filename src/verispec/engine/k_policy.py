@@ -11,9 +11,10 @@ so K = 0 (plain decoding for that round) wins whenever speculation does not pay 
 than MARGIN (5 %), which is inside the error of the estimates themselves. With a constant
 rate a this is the DESIGN formula E = (1 − a^{K+1}) / (1 − a).
 
-Costs are measured on the fly (exponential moving averages of every verify pass and proposal);
-widths not yet measured are extrapolated from c_p(1) with a prior slope, optimistic enough to be
-tried once and then known.
+Costs are measured on the fly: c_p(n) as the machine's current level (every pass moves it) times a
+slowly learned ratio per width, so widths are compared at one moment of a shared machine; widths
+not yet measured are extrapolated with a prior slope, optimistic enough to be tried once and then
+known (CostModel).
 
 A proposer may first have to catch up — the draft model prefills a sequence's prompt (and any
 tokens it skipped during K = 0 rounds) the first time it drafts for it. That one-off cost is paid
@@ -29,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 EMA = 0.2                 # weight of a new measurement (costs; acceptance once past its prior)
+RATIO_EMA = 0.1           # weight of a new measurement of a pass width's cost relative to a 1-token pass
 PRIOR_WEIGHT = 2.0        # a sequence's acceptance prior counts as this many observations (see update)
 PRIOR_SLOPE = 0.35        # unmeasured c_p(n) ≈ c_p(m) + slope · c_p(1) · (n − m)
 # Acceptance before anything is measured, by source; prompt lookup by match length (ngram.py): the
@@ -92,51 +94,83 @@ def batch_bucket(batch: int) -> int:
     return 1 << max(0, batch - 1).bit_length()
 
 
-def _record_per_token(table: dict[str, float], source: str, tokens: int, seconds: float) -> None:
-    """Fold seconds / tokens into table[source] (an exponential moving average)."""
-    if tokens <= 0:
-        return
-    per = seconds / tokens
-    old = table.get(source)
-    table[source] = per if old is None else (1 - EMA) * old + EMA * per
+def _running(old: float, new: float, n: int) -> float:
+    """The n-th measurement folded into an estimate whose prior counts as one: a running mean of
+    prior and measurements while 1 / (n + 1) > EMA, an exponential moving average after. A first
+    measurement that carries one-off costs (a model's first call in a process) thus moves the
+    estimate half-way instead of all the way — and does not stop the proposer being tried again."""
+    weight = max(EMA, 1.0 / (n + 1))
+    return old + weight * (new - old)
 
 
 @dataclass
 class CostModel:
-    """Seconds per target pass by (batch bucket, width), and per drafted token by proposer source."""
+    """Seconds per target pass by (batch bucket, width), and per drafted token by proposer source.
 
-    verify: dict[tuple[int, int], float] = field(default_factory=dict)
-    propose: dict[str, float] = field(default_factory=dict)
-    catchup: dict[str, float] = field(default_factory=dict)      # seconds per token ingested
+    A pass costs level × ratio(width). The level — what a 1-token pass costs now — follows every
+    pass whatever its width (an EMA of seconds / ratio); a width's ratio c_p(n) / c_p(1) is learned
+    slowly (RATIO_EMA) from that width's passes over the level at the time. Comparing widths thus
+    never sets one moment of a shared machine against another. (With one EMA per width, c_p(1)
+    stayed at whatever the machine's speed was in the last K = 0 round for as long as a sequence
+    speculated; a slow spell then made speculation look better than it was, or the reverse.)"""
+
+    level: dict[int, float] = field(default_factory=dict)               # bucket -> c_p(1) now
+    ratio: dict[tuple[int, int], float] = field(default_factory=dict)   # (bucket, width ≥ 2) -> c_p(width) / c_p(1)
+    propose: dict[str, float] = field(default_factory=dict)             # source -> seconds per drafted token
+    catchup: dict[str, float] = field(default_factory=dict)             # source -> seconds per token ingested
+    counts: dict[tuple[str, str], int] = field(default_factory=dict)    # (table, source) -> measurements so far
+    last_width: dict[int, int] = field(default_factory=dict)            # bucket -> width of its latest pass
 
     def record_verify(self, width: int, seconds: float, batch: int = 1) -> None:
-        key = (batch_bucket(batch), width)
-        old = self.verify.get(key)
-        self.verify[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        bucket = batch_bucket(batch)
+        level = self.level.get(bucket)
+        if level is None:                                 # first pass in this bucket: sets the level
+            self.level[bucket], self.last_width[bucket] = seconds / self._ratio(bucket, width), width
+            return
+        if width > 1 and (bucket, width) not in self.ratio:
+            self.ratio[(bucket, width)] = seconds / level     # a width's first pass: its ratio
+            self.last_width[bucket] = width
+            return
+        ratio = self._ratio(bucket, width)
+        self.level[bucket] = (1 - EMA) * level + EMA * seconds / ratio
+        # A run of one width cannot tell a slower machine from a dearer width: it moves the level
+        # only. A ratio learns from a pass right after one of another width (the level then reflects
+        # the same moment of the machine).
+        if width > 1 and self.last_width.get(bucket) != width:
+            self.ratio[(bucket, width)] = (1 - RATIO_EMA) * ratio + RATIO_EMA * seconds / level
+        self.last_width[bucket] = width
 
     def record_propose(self, source: str, tokens: int, seconds: float) -> None:
-        _record_per_token(self.propose, source, tokens, seconds)
+        self._record_per_token("propose", self.propose, source, tokens, seconds, 0.0)
 
     def record_catchup(self, source: str, tokens: int, seconds: float) -> None:
-        _record_per_token(self.catchup, source, tokens, seconds)
+        self._record_per_token("catchup", self.catchup, source, tokens, seconds, self.c_catchup(source))
+
+    def _record_per_token(self, name: str, table: dict[str, float], source: str, tokens: int,
+                          seconds: float, prior: float) -> None:
+        if tokens <= 0:
+            return
+        n = self.counts[(name, source)] = self.counts.get((name, source), 0) + 1
+        table[source] = _running(table.get(source, prior), seconds / tokens, n)
 
     def c_catchup(self, source: str) -> float:
         return self.catchup.get(source, CATCHUP_PRIOR * self.c_q(source))
 
+    def _ratio(self, bucket: int, n: int) -> float:
+        """c_p(n) / c_p(1): measured, or extrapolated from the widest measured width below n with a
+        prior slope (optimistic enough that an unmeasured width gets tried once)."""
+        if n == 1:
+            return 1.0
+        if (bucket, n) in self.ratio:
+            return self.ratio[(bucket, n)]
+        slope = min(1.0, PRIOR_SLOPE * bucket)          # wider batches turn compute-bound sooner
+        below = [w for b, w in self.ratio if b == bucket and w < n]
+        m = max(below, default=1)
+        return self._ratio(bucket, m) + slope * (n - m)
+
     def c_p(self, n: int, batch: int = 1) -> float:
         bucket = batch_bucket(batch)
-        if (bucket, n) in self.verify:
-            return self.verify[(bucket, n)]
-        widths = {w: c for (b, w), c in self.verify.items() if b == bucket}
-        slope = min(1.0, PRIOR_SLOPE * bucket)          # wider batches turn compute-bound sooner
-        if not widths:
-            return 1.0 + slope * (n - 1)                 # unit-less prior before any measurement
-        base = widths.get(1, min(widths.values()))
-        below = [m for m in widths if m < n]
-        if below:
-            m = max(below)
-            return widths[m] + slope * base * (n - m)
-        return base * (1 + slope * (n - 1))
+        return self.level.get(bucket, 1.0) * self._ratio(bucket, n)   # unit-less before any measurement
 
     def c_q(self, source: str) -> float:
         return self.propose.get(source, 0.0)
