@@ -125,7 +125,9 @@ def suite_section(bench: dict | None) -> list[str]:
         out += [f"Noise floor of this run: cells where a mode proposed nothing at all (so it did what plain "
                 f"did) measured {min(idle):.2f}–{max(idle):.2f}x of plain ({len(idle)} cells) on the wall "
                 f"clock: differences smaller than that are not resolved by 2 prompts × {bench['max_tokens']} "
-                f"tokens × {repeats(bench)} repeat(s) per category — the accounted figures are.", ""]
+                f"tokens × {repeats(bench)} repeat(s) per category — the accounted figures are. At T > 0 each mode "
+                f"also samples its own answers, of their own lengths, so the prefill's share of the time differs "
+                f"between modes on the wall clock and not in the accounted figure.", ""]
     return out
 
 
