@@ -59,6 +59,21 @@ def repeats(bench: dict) -> int:
     return 1 + max((r["repeat"] for r in bench["runs"]), default=0)
 
 
+def category_table(bench: dict, cell) -> list[str]:
+    """One row per (temperature, mode other than plain), one column per category and 'all', batch 1;
+    cell(row) renders a summary row (None: the mode has nothing to show there)."""
+    cats = sorted({r["category"] for r in bench["summary"] if r["category"] != "all"})
+    modes = [m for m in dict.fromkeys(r["mode"] for r in bench["summary"]) if m != "plain"]
+    body = []
+    for t in sorted({r["temperature"] for r in bench["summary"]}):
+        for m in modes:
+            cells = {r["category"]: cell(r) for r in bench["summary"]
+                     if r["temperature"] == t and r["mode"] == m and r["batch_size"] == 1}
+            if any(v is not None for v in cells.values()):
+                body.append([t, m] + [cells.get(c) or "–" for c in cats + ["all"]])
+    return table(["T", "mode"] + cats + ["all"], body)
+
+
 def suite_section(bench: dict | None) -> list[str]:
     out = ["## Speculative modes on the bundled suite", ""]
     if bench is None:
@@ -73,26 +88,11 @@ def suite_section(bench: dict | None) -> list[str]:
                  [[r["temperature"], r["mode"], f(r["tokens_per_s"]), f(r["speedup"], "%.2fx"),
                    f(r.get("acceptance_rate")), f(r.get("tau")), f(r.get("alpha")), same(r)] for r in rows])
     out += ["", "### By category (speedup vs plain)", ""]
-    cats = sorted({r["category"] for r in bench["summary"] if r["category"] != "all"})
+    out += category_table(bench, lambda r: f(r["speedup"], "%.2fx"))
+    out += ["", "### By category, accounted (speedup from counts: see below)", ""]
+    out += category_table(bench, lambda r: f(r["accounted_speedup"], "%.2fx") if r.get("accounted_speedup") else None)
     modes = [m for m in dict.fromkeys(r["mode"] for r in bench["summary"]) if m != "plain"]
     temps = sorted({r["temperature"] for r in bench["summary"]})
-    body = []
-    for t in temps:
-        for m in modes:
-            cells = {r["category"]: r["speedup"] for r in bench["summary"]
-                     if r["temperature"] == t and r["mode"] == m and r["batch_size"] == 1}
-            if cells:
-                body.append([t, m] + [f(cells.get(c), "%.2fx") for c in cats + ["all"]])
-    out += table(["T", "mode"] + cats + ["all"], body)
-    out += ["", "### By category, accounted (speedup from counts: see below)", ""]
-    body = []
-    for t in temps:
-        for m in modes:
-            cells = {r["category"]: r.get("accounted_speedup") for r in bench["summary"]
-                     if r["temperature"] == t and r["mode"] == m and r["batch_size"] == 1}
-            if any(v is not None for v in cells.values()):
-                body.append([t, m] + [f(cells.get(c), "%.2fx") for c in cats + ["all"]])
-    out += table(["T", "mode"] + cats + ["all"], body)
     out += ["", "Accounted speedup: plain decoding's c_p(1) for every token the rounds produced, over what the "
             "rounds cost — c_p(K+1) per round from the run's K histogram and its measured pass costs, plus the "
             "proposer's measured seconds (`accounted_speedup` in `bench/costs.py`). The machine's drift between "
@@ -139,16 +139,7 @@ def fixedk_section(bench: dict | None) -> list[str]:
             "interleaved prompt by prompt. Cells: wall-clock speedup / accounted speedup vs plain "
             f"({repeats(bench)} repeat(s): the wall-clock figure moves by several per cent from run to run, "
             "the accounted one does not).", ""]
-    cats = sorted({r["category"] for r in bench["summary"] if r["category"] != "all"})
-    body = []
-    for t in sorted({r["temperature"] for r in bench["summary"]}):
-        for m in [m for m in dict.fromkeys(r["mode"] for r in bench["summary"]) if m != "plain"]:
-            cells = {r["category"]: r for r in bench["summary"]
-                     if r["temperature"] == t and r["mode"] == m and r["batch_size"] == 1}
-            if cells:
-                body.append([t, m] + [f"{f(cells[c]['speedup'], '%.2fx')} / {f(cells[c].get('accounted_speedup'), '%.2fx')}"
-                                      if c in cells else "–" for c in cats + ["all"]])
-    return out + table(["T", "mode"] + cats + ["all"], body) + [""]
+    return out + category_table(bench, lambda r: f"{f(r['speedup'], '%.2fx')} / {f(r.get('accounted_speedup'), '%.2fx')}") + [""]
 
 
 def ksweep_section(bench: dict | None) -> list[str]:
