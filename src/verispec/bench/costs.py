@@ -54,7 +54,10 @@ def c_p_at(c_p: dict[int, float], n: int) -> float:
         return c_p[n]
     widths = sorted(c_p)
     below, above = [w for w in widths if w < n], [w for w in widths if w > n]
-    lo, hi = (below[-1], above[0]) if below and above else (widths[-2], widths[-1]) if below else (widths[0], widths[1])
+    if below and above:
+        lo, hi = below[-1], above[0]
+    else:                                   # beyond the measured widths: the nearest two
+        lo, hi = (widths[-2], widths[-1]) if below else (widths[0], widths[1])
     return c_p[lo] + (c_p[hi] - c_p[lo]) * (n - lo) / (hi - lo)
 
 

@@ -94,12 +94,13 @@ def batch_bucket(batch: int) -> int:
     return 1 << max(0, batch - 1).bit_length()
 
 
-def _running(old: float, new: float, n: int) -> float:
-    """The n-th measurement folded into an estimate whose prior counts as one: a running mean of
-    prior and measurements while 1 / (n + 1) > EMA, an exponential moving average after. A first
-    measurement that carries one-off costs (a model's first call in a process) thus moves the
-    estimate half-way instead of all the way — and does not stop the proposer being tried again."""
-    weight = max(EMA, 1.0 / (n + 1))
+def _running(old: float, new: float, n: int, prior_weight: float = 1.0) -> float:
+    """The n-th measurement folded into an estimate whose prior counts as prior_weight measurements:
+    a running mean of prior and measurements while 1 / (prior_weight + n) > EMA, an exponential
+    moving average after. For costs the prior counts as one: a first measurement that carries
+    one-off costs (a model's first call in a process) moves the estimate half-way instead of all
+    the way — and does not stop the proposer being tried again."""
+    weight = max(EMA, 1.0 / (prior_weight + n))
     return old + weight * (new - old)
 
 
@@ -209,8 +210,7 @@ class AcceptanceEstimate:
         for i in range(depth):
             hit = 1.0 if i < accepted else 0.0
             self.seen[i] += 1
-            weight = max(EMA, 1.0 / (PRIOR_WEIGHT + self.seen[i]))
-            self.rates[i] += weight * (hit - self.rates[i])
+            self.rates[i] = _running(self.rates[i], hit, self.seen[i], PRIOR_WEIGHT)
         self.reached = max(self.reached, depth)
         for i in range(self.reached, len(self.rates)):
             self.rates[i] = self.rates[self.reached - 1]
