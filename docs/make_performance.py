@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from verispec.bench.run import machine_line
+
 DOCS = Path(__file__).parent
 RESULTS = DOCS / "results"
 
@@ -49,8 +51,7 @@ def command_line(result: dict) -> str:
 
 def env_line(result: dict) -> str:
     e = result.get("environment", {})
-    return (f"verispec {e.get('verispec')}, torch {e.get('torch')}, {e.get('threads')} threads, "
-            f"int8 kernel: {e.get('int8_kernel', 'torch')}")
+    return f"verispec {e.get('verispec')}, torch {e.get('torch')}, {e.get('threads')} threads, {machine_line(e)}"
 
 
 # -- sections -----------------------------------------------------------------------------------
@@ -286,7 +287,8 @@ def serving_section(load: dict | None, current_kernel: str | None = None) -> lis
     out = ["## Serving under load", ""]
     if load is None:
         return out + missing("TTFT/TPOT/throughput", "bash docs/reproduce.sh")
-    theirs = load.get("environment", {}).get("int8_kernel")
+    env = load.get("environment", {})
+    theirs = env.get("kernel", env.get("int8_kernel"))
     if current_kernel and theirs != current_kernel:
         out += [f"Measured with an earlier build of verispec than the sections above (kernel: {theirs or 'not recorded'}; "
                 f"above: {current_kernel}) and not rerun since — its absolute figures are slower than today's.", ""]
@@ -349,7 +351,7 @@ def main() -> None:
     out += formats_section(load("formats.json"))
     out += kernel_section(load("kernel.json"))
     suite = load("bench-suite.json")
-    out += serving_section(load("loadtest.json"), suite and suite.get("environment", {}).get("int8_kernel"))
+    out += serving_section(load("loadtest.json"), suite and suite.get("environment", {}).get("kernel", suite.get("environment", {}).get("int8_kernel")))
     out += verify_section(load("verify.json"))
     (DOCS / "PERFORMANCE.md").write_text("\n".join(out).rstrip() + "\n")
     print(f"wrote {DOCS / 'PERFORMANCE.md'}")

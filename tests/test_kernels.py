@@ -4,6 +4,8 @@ shapes, and the fallback to torch's kernel."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -12,8 +14,15 @@ from verispec import kernels
 from verispec.models import quant
 from verispec.models.quant import Int8Linear, quantize_int8
 
-needs_kernel = pytest.mark.skipif(not kernels.available(),
-                                  reason=f"native kernel {kernels.kernel_status()}")
+@pytest.fixture(params=[v.name for v in kernels.VARIANTS])
+def native(request):
+    """Each instruction-set variant in turn; one this machine cannot run is skipped, saying why."""
+    if os.environ.get("VERISPEC_KERNELS", "").lower() in ("0", "off", "false", "no"):
+        pytest.skip("native kernels switched off (VERISPEC_KERNELS)")
+    try:
+        return kernels.load_variant(request.param)
+    except RuntimeError as err:
+        pytest.skip(f"{request.param} kernels: {err}")
 
 
 def round_rows_to_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,17 +32,16 @@ def round_rows_to_int16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x * inv), amax / 32767.0
 
 
-@needs_kernel
 @pytest.mark.parametrize("m,n,k", [(1, 64, 896), (5, 130, 1536), (17, 67, 33), (3, 5, 7), (40, 300, 96),
                                    (2, 16, 8960), (7, 33, 1)])
-def test_int8_gemm_matches_float64_reference(m, n, k):
+def test_int8_gemm_matches_float64_reference(native, m, n, k):
     torch.manual_seed(m + n + k)
     q, scale = quantize_int8(torch.randn(n, k))
     x = torch.randn(m, k) * torch.rand(m, 1) * 10
     x[0, 0] = 40.0                                                          # an outlier sets row 0's scale
     qx, sx = round_rows_to_int16(x)
     exact = (qx.double() @ q.double().T) * scale.double() * sx.double()     # integer sums are exact
-    out = kernels.int8_gemm(x, kernels.pack_int8(q), scale)
+    out = native.int8_gemm(x, kernels.pack_int8(q), scale)
     assert out.shape == (m, n) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=1e-6 * exact.abs().max().item())
     # Against fp32 activations: at most half a rounding step per activation, weighted by |w|
@@ -42,30 +50,28 @@ def test_int8_gemm_matches_float64_reference(m, n, k):
     assert ((out.double() - unrounded).abs() <= bound * 1.001 + 1e-9).all()
 
 
-@needs_kernel
-def test_int8_gemm_handles_zero_rows_and_full_scale_values():
+def test_int8_gemm_handles_zero_rows_and_full_scale_values(native):
     q = torch.full((16, 1024), 127, dtype=torch.int8)                       # the largest possible integer sums
     x = torch.ones(3, 1024)
     x[1] = 0.0
     x[2, ::2] = -1.0
-    out = kernels.int8_gemm(x, kernels.pack_int8(q), torch.ones(16))
+    out = native.int8_gemm(x, kernels.pack_int8(q), torch.ones(16))
     assert torch.equal(out[0], torch.full((16,), 127.0 * 1024))
     assert torch.equal(out[1], torch.zeros(16))
     assert torch.equal(out[2], torch.zeros(16))
 
 
-@needs_kernel
-def test_int8_gemm_rows_do_not_depend_on_the_batch():
+def test_int8_gemm_rows_do_not_depend_on_the_batch(native):
     """A row computed alone equals the same row inside any larger pass, bit for bit."""
     torch.manual_seed(0)
     q, scale = quantize_int8(torch.randn(257, 1536))
     packed = kernels.pack_int8(q)
     x = torch.randn(23, 1536)
-    full = kernels.int8_gemm(x, packed, scale)
+    full = native.int8_gemm(x, packed, scale)
     for i in (0, 5, 6, 22):
-        assert torch.equal(kernels.int8_gemm(x[i:i + 1].contiguous(), packed, scale)[0], full[i])
+        assert torch.equal(native.int8_gemm(x[i:i + 1].contiguous(), packed, scale)[0], full[i])
     for size in (2, 3, 5, 7, 13):
-        assert torch.equal(kernels.int8_gemm(x[:size].contiguous(), packed, scale), full[:size])
+        assert torch.equal(native.int8_gemm(x[:size].contiguous(), packed, scale), full[:size])
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (5, 7), (16, 3), (67, 33), (896, 96)])
@@ -81,11 +87,10 @@ def test_int8_packing_round_trips_and_pads_with_zeros(n, k):
         assert torch.equal(packed[0, 1, 16:18], q[8, 2:4])                 # columns 8-15 in the second half
 
 
-@needs_kernel
-def test_int8_gemm_refuses_a_weight_of_another_shape():
+def test_int8_gemm_refuses_a_weight_of_another_shape(native):
     q, scale = quantize_int8(torch.randn(40, 64))
     with pytest.raises(ValueError, match="does not fit"):
-        kernels.int8_gemm(torch.randn(2, 64), q, scale)
+        native.int8_gemm(torch.randn(2, 64), q, scale)
 
 
 def test_int8_linear_falls_back_to_torch_kernel(monkeypatch):
@@ -123,17 +128,16 @@ def test_int4_quantization_is_exact_on_a_4bit_grid_and_refuses_other_weights():
     assert quant.quantize_int4(q4_weight(8, 96)[:, :80]) is None    # K not a multiple of 32
 
 
-@needs_kernel
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 9])
-def test_int4_gemm_matches_reference_and_is_row_exact(m):
+def test_int4_gemm_matches_reference_and_is_row_exact(native, m):
     w = q4_weight(200, 1536, seed=m)
     packed, scales, mins = quant.quantize_int4(w)
     x = torch.randn(m, 1536)
-    out = kernels.int4_gemm(x, packed, scales, mins)
+    out = native.int4_gemm(x, packed, scales, mins)
     ref = x.double() @ w.double().T
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     for i in range(m):
-        assert torch.equal(kernels.int4_gemm(x[i:i + 1].contiguous(), packed, scales, mins)[0], out[i])
+        assert torch.equal(native.int4_gemm(x[i:i + 1].contiguous(), packed, scales, mins)[0], out[i])
 
 
 def test_int4_model_mixes_formats_and_keeps_greedy_speculation_exact():
@@ -173,31 +177,29 @@ def attention_reference(q, keys, values, positions, scale):
     return out
 
 
-@needs_kernel
 @pytest.mark.parametrize("b,h,hkv,t,d,s", [(1, 12, 2, 1, 128, 40), (2, 12, 2, 5, 128, 300), (3, 4, 4, 2, 20, 9)])
-def test_attend_rows_matches_reference_and_is_row_exact(b, h, hkv, t, d, s):
+def test_attend_rows_matches_reference_and_is_row_exact(native, b, h, hkv, t, d, s):
     torch.manual_seed(b * 100 + t)
     q = torch.randn(b, h, t, d)
     cache = torch.randn(2, b + 1, hkv, s + 7, d)                 # a larger cache, read through a slice
     keys, values = cache[0, 1:, :, :s], cache[1, 1:, :, :s]
     positions = torch.stack([torch.arange(s - t - i, s - i) for i in range(b)])   # (B, T)
-    out = kernels.attend_rows(q, keys, values, positions, d ** -0.5)
+    out = native.attend_rows(q, keys, values, positions, d ** -0.5)
     ref = attention_reference(q, keys, values, positions, d ** -0.5)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     for i in range(b):                                           # one row alone equals that row in the pass
         for j in range(t):
-            alone = kernels.attend_rows(q[i:i + 1, :, j:j + 1], keys[i:i + 1], values[i:i + 1],
+            alone = native.attend_rows(q[i:i + 1, :, j:j + 1], keys[i:i + 1], values[i:i + 1],
                                         positions[i:i + 1, j:j + 1], d ** -0.5)
             assert torch.equal(alone[0, 0], out[i, j])
 
 
-@needs_kernel
-def test_attend_rows_declines_what_it_cannot_read_and_refuses_bad_positions():
+def test_attend_rows_declines_what_it_cannot_read_and_refuses_bad_positions(native):
     q, kv = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 4, 8)
-    assert kernels.attend_rows(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), torch.tensor([[3]]), 1.0) is None
-    assert kernels.attend_rows(q, kv.transpose(2, 3), kv.transpose(2, 3), torch.tensor([[3]]), 1.0) is None
+    assert native.attend_rows(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), torch.tensor([[3]]), 1.0) is None
+    assert native.attend_rows(q, kv.transpose(2, 3), kv.transpose(2, 3), torch.tensor([[3]]), 1.0) is None
     with pytest.raises(ValueError, match="outside"):
-        kernels.attend_rows(q, kv, kv, torch.tensor([[4]]), 1.0)
+        native.attend_rows(q, kv, kv, torch.tensor([[4]]), 1.0)
 
 
 def test_attention_fallback_loop_matches_the_kernel(monkeypatch):
@@ -218,3 +220,47 @@ def test_attention_fallback_loop_matches_the_kernel(monkeypatch):
     slow = transformer._attend_rows(q, keys, values, View, 0.25)
     for out in (fast, slow):
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_every_variant_gives_the_same_bits():
+    """The variants differ in vector width only: the same integer sums and fp32 steps, the same bits —
+    a result on an AVX-512 machine equals the one on an AVX2 machine."""
+    libs = []
+    for name in kernels.supported_variants():
+        try:
+            libs.append(kernels.load_variant(name))
+        except RuntimeError as err:
+            pytest.skip(f"{name} kernels: {err}")
+    if len(libs) < 2:
+        pytest.skip(f"this CPU runs only {[v.variant for v in libs]}: nothing to compare")
+    torch.manual_seed(3)
+    for m, n, k in [(1, 1000, 1536), (5, 130, 1536), (23, 67, 33), (8, 2048, 8960)]:
+        q, scale = quantize_int8(torch.randn(n, k))
+        x, packed = torch.randn(m, k), kernels.pack_int8(q)
+        first = libs[0].int8_gemm(x, packed, scale)
+        for other in libs[1:]:
+            assert torch.equal(other.int8_gemm(x, packed, scale), first), (other.variant, m, n, k)
+    q, kv = torch.randn(2, 12, 5, 128), torch.randn(2, 2, 300, 128)
+    positions = torch.stack([torch.arange(290, 295), torch.arange(10, 15)])
+    first = libs[0].attend_rows(q, kv, kv * 0.5, positions, 0.1)
+    for other in libs[1:]:
+        assert torch.equal(other.attend_rows(q, kv, kv * 0.5, positions, 0.1), first)
+
+
+def test_the_best_supported_variant_is_active_and_named():
+    if not kernels.available():
+        pytest.skip(f"native kernel {kernels.kernel_status()}")
+    info = kernels.machine()
+    assert info["kernel_variant"] in kernels.supported_variants()
+    if not os.environ.get("VERISPEC_KERNEL_ISA"):
+        assert info["kernel_variant"] == kernels.supported_variants()[0]
+    assert "avx2" in info["cpu_flags"] and info["kernel"] == f"active ({info['kernel_variant']})"
+
+
+def test_an_unknown_or_unsupported_variant_says_why():
+    with pytest.raises(RuntimeError, match="unknown kernel variant"):
+        kernels.load_variant("sse9")
+    for v in kernels.VARIANTS:
+        if v.name not in kernels.supported_variants():
+            with pytest.raises(RuntimeError, match="the CPU lacks"):
+                kernels.load_variant(v.name)

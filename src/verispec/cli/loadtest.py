@@ -152,11 +152,11 @@ def run(args) -> int:
         import torch
 
         from verispec import __version__
-        from verispec.kernels import kernel_status
+        from verispec.kernels import machine
 
         env = {"verispec": __version__, "torch": torch.__version__, "python": platform.python_version(),
                "cpus": os.cpu_count(), "platform": platform.platform(),
-               "int8_kernel": kernel_status()}            # the build the spawned servers share (same cache)
+               **machine()}                                # the build the spawned servers share (same cache)
         with open(args.json_file, "w") as f:
             json.dump({"command": command, "environment": env, "max_tokens": args.max_tokens,
                        "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "rows": all_rows}, f, indent=2)

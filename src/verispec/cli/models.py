@@ -28,6 +28,10 @@ def run(args) -> int:
     for r in rows:
         print(f"{r['name']:<30} {r['role']:<7} {'yes' if r['installed'] else 'no':<10} "
               f"{'yes' if r['assembled'] else 'no':<10} {r['size_bytes'] / 2**20:>7.0f}MB  {r['path']}")
+    from verispec.bench.run import machine_line
+    from verispec.kernels import machine
+
+    print(f"\n{machine_line(machine())}")
     if not all(r["installed"] for r in rows):
         print(f"\nto install: {INSTALL_HINT}")
     return 0

@@ -28,6 +28,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from verispec.bench.costs import pass_cost, pass_costs, predicted_speedup
+    from verispec.bench.run import machine_line
+    from verispec.kernels import machine
     from verispec.loaders.builtin import DEFAULT_DRAFT
     from verispec.loaders.resolve import load_model
     from verispec.proposers.ngram import lookup
@@ -50,6 +52,7 @@ def run(args) -> int:
         lookup(tokens, 8)
     c_q["ngram"] = (time.perf_counter() - t) / 100
     print(f"target {target.name} ({args.dtype}), draft {draft.name}, context {args.context}")
+    print(machine_line(machine()))
     print(f"{'n':>3} {'c_p(n) ms':>10} {'c_p(n)/c_p(1)':>14}")
     for n, v in c_p.items():
         print(f"{n:>3} {v * 1e3:>10.1f} {v / c_p[1]:>14.2f}")
@@ -64,5 +67,6 @@ def run(args) -> int:
             print(f"{k:>3} " + "".join(f"{x:>8.2f}x" for x in row))
     if args.json_file:
         with open(args.json_file, "w") as f:
-            json.dump({"c_p": c_p, "c_q": c_q, "alphas": alphas, "predicted": curves, "dtype": args.dtype}, f, indent=1)
+            json.dump({"c_p": c_p, "c_q": c_q, "alphas": alphas, "predicted": curves, "dtype": args.dtype,
+                       "environment": machine()}, f, indent=1)
     return 0

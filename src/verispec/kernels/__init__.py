@@ -2,11 +2,17 @@
 
 `gemm.c` holds the quantized matmuls (int8 weights per channel with activations rounded to 16-bit
 integers per row and integer dot products; int4 per group of 32) and row-by-row attention for
-decode and verify passes, for AVX2 + FMA CPUs (see its header). It is
-built once into `$VERISPEC_CACHE/kernels/` (about a second with gcc) and opened with ctypes; its
-OpenMP pool is the one torch already loaded (same `libgomp.so.1`), so the two never fight for
-cores. Without a compiler, without AVX2/FMA, or with VERISPEC_KERNELS=off, `int8_gemm()` is None
-and callers use torch's own kernels. `kernel_status()` says which and why.
+decode and verify passes (see its header). One source is built into one shared library per
+instruction-set variant (`VARIANTS`, best first): `avx512vnni` (AVX-512 F/BW/VL/DQ + VNNI: the int8
+matmul on 512-bit vectors with `vpdpwssd`) and `avx2` (AVX2 + FMA). At first use the best variant this
+CPU supports is built into `$VERISPEC_CACHE/kernels/` (about a second with gcc; the file name hashes
+the source, the compiler and the variant's flags) and opened with ctypes; `VERISPEC_KERNEL_ISA=avx2`
+picks a lower one. Every variant gives the same bits: its integer sums are exact and its fp32 steps
+are the same operations in the same order (tested), so a results file made on one machine kind and
+a test on another agree. The OpenMP pool is the one torch already loaded (same `libgomp.so.1`), so
+the two never fight for cores. Without a compiler, without AVX2/FMA, or with VERISPEC_KERNELS=off,
+`available()` is False and callers use torch's own kernels. `kernel_status()` says which and why;
+`machine()` names the CPU and its vector extensions for results files.
 """
 
 from __future__ import annotations
@@ -14,17 +20,68 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).with_name("gemm.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+ABI = 9
+BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _status = "not loaded"
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    flags: tuple[str, ...]        # compiler flags that select the instruction set
+    cpu: tuple[str, ...]          # /proc/cpuinfo flags the CPU must have
+
+
+VARIANTS = (
+    Variant("avx512vnni", ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
+            ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")),
+    Variant("avx2", ("-mavx2", "-mfma"), ("avx2", "fma")),
+)
+# Vector extensions worth naming in a results file.
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx_vnni",
+             "avx512_bf16", "amx_int8")
+
+
+@lru_cache(maxsize=1)
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """(model name, flags) of the first CPU in /proc/cpuinfo; ('', {}) where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine(), frozenset()
+    model, flags = "", frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+    return model, flags
+
+
+def machine() -> dict:
+    """The CPU model, its vector extensions and the kernel variant in use, for results files."""
+    model, flags = _cpuinfo()
+    return {"cpu_model": model, "cpu_flags": [f for f in ISA_FLAGS if f in flags],
+            "kernel": kernel_status(), "kernel_variant": active_variant()}
+
+
+def supported_variants() -> list[str]:
+    """Variants this CPU can run, best first."""
+    flags = _cpuinfo()[1]
+    return [v.name for v in VARIANTS if all(f in flags for f in v.cpu)]
 
 
 def kernel_status() -> str:
@@ -32,61 +89,100 @@ def kernel_status() -> str:
     return _status
 
 
-def _cpu_has_avx2_fma() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return " avx2" in flags and " fma" in flags
+def active_variant() -> str | None:
+    lib = _load()
+    return None if lib is None else lib.variant
 
 
 def _cache_dir() -> Path:
-    from verispec.loaders.builtin import cache_dir
+    root = os.environ.get("VERISPEC_CACHE")          # the same place as loaders.builtin.cache_dir()
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "verispec") / "kernels"
 
-    return cache_dir() / "kernels"
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-@lru_cache(maxsize=1)
-def _load():
-    global _status
-    if os.environ.get("VERISPEC_KERNELS", "").lower() in ("0", "off", "false", "no"):
-        _status = "off (VERISPEC_KERNELS)"
-        return None
-    if not _cpu_has_avx2_fma():
-        _status = "unavailable: the CPU lacks AVX2/FMA"
-        return None
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+class NativeKernels:
+    """One built variant of gemm.c, opened with ctypes; the module-level functions call the active one."""
+
+    def __init__(self, lib: ctypes.CDLL, variant: str):
+        self.lib, self.variant = lib, variant
+        lib.verispec_int8_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+        lib.verispec_int4_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_int]
+        lib.verispec_attend_rows.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_long] * 8
+                                             + [ctypes.c_float, ctypes.c_int])
+        lib.verispec_int8_gemm.restype = lib.verispec_int4_gemm.restype = lib.verispec_attend_rows.restype = ctypes.c_int
+
+    def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return _int8_gemm(self.lib, x, packed, scales)
+
+    def int4_gemm(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                  mins: torch.Tensor) -> torch.Tensor:
+        return _int4_gemm(self.lib, x, packed, scales, mins)
+
+    def attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                    scale: float) -> torch.Tensor | None:
+        return _attend_rows(self.lib, q, keys, values, positions, scale)
+
+
+@lru_cache(maxsize=None)
+def load_variant(name: str) -> NativeKernels:
+    """Build (once, cached on disk) and open one variant; raises RuntimeError saying why it cannot."""
+    variant = next((v for v in VARIANTS if v.name == name), None)
+    if variant is None:
+        raise RuntimeError(f"unknown kernel variant {name!r}; choose one of {', '.join(v.name for v in VARIANTS)}")
+    missing = [f for f in variant.cpu if f not in _cpuinfo()[1]]
+    if missing:
+        raise RuntimeError(f"the CPU lacks {', '.join(missing)} for the {name} kernels")
+    compiler = _compiler()
     if compiler is None:
-        _status = "unavailable: no C compiler (install gcc to build the fast int8 kernel)"
-        return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"gemm-{key}.so"
+        raise RuntimeError("no C compiler (install gcc to build the fast int8 kernel)")
+    flags = [*BASE_FLAGS, *variant.flags]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    lib_path = _cache_dir() / f"gemm-{name}-{key}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+            subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
             os.replace(tmp, lib_path)                     # atomic: a concurrent build never sees half a file
         except (subprocess.SubprocessError, OSError) as err:
-            detail = getattr(err, "stderr", b"") or b""
-            _status = f"unavailable: compiling {SOURCE.name} failed ({detail.decode(errors='replace')[:200] or err})"
+            detail = (getattr(err, "stderr", b"") or b"").decode(errors="replace")[:200]
+            raise RuntimeError(f"compiling {SOURCE.name} for {name} failed ({detail or err})") from None
+        finally:
             Path(tmp).unlink(missing_ok=True)
-            return None
     try:
         lib = ctypes.CDLL(str(lib_path))
-        if lib.verispec_kernels_abi() != 8:
+        if lib.verispec_kernels_abi() != ABI:
             raise OSError("ABI mismatch")
-    except OSError as err:
-        _status = f"unavailable: loading {lib_path} failed ({err})"
+        lib.verispec_kernels_variant.restype = ctypes.c_char_p
+        if lib.verispec_kernels_variant().decode() != name:
+            raise OSError("built for another variant")
+    except (OSError, AttributeError) as err:
+        raise RuntimeError(f"loading {lib_path} failed ({err})") from None
+    return NativeKernels(lib, name)
+
+
+@lru_cache(maxsize=1)
+def _load() -> NativeKernels | None:
+    global _status
+    if os.environ.get("VERISPEC_KERNELS", "").lower() in ("0", "off", "false", "no"):
+        _status = "off (VERISPEC_KERNELS)"
         return None
-    lib.verispec_int8_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    lib.verispec_int4_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    lib.verispec_attend_rows.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int]
-    lib.verispec_int8_gemm.restype = lib.verispec_int4_gemm.restype = lib.verispec_attend_rows.restype = ctypes.c_int
-    _status = f"active ({lib_path.name})"
-    return lib
+    wanted = os.environ.get("VERISPEC_KERNEL_ISA", "").strip().lower()
+    candidates = [wanted] if wanted else supported_variants()
+    if not candidates:
+        _status = "unavailable: the CPU lacks AVX2/FMA"
+        return None
+    try:
+        native = load_variant(candidates[0])
+    except RuntimeError as err:
+        _status = f"unavailable: {err}"
+        return None
+    _status = f"active ({native.variant})"
+    return native
 
 
 def available() -> bool:
@@ -118,7 +214,27 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> to
     """x (M, K) float32 contiguous, packed weight from pack_int8, scales (N,) float32 -> (M, N) float32.
 
     Each row of x is rounded to 16-bit integers with its own scale inside the kernel (see gemm.c)."""
-    lib = _load()
+    return _load().int8_gemm(x, packed, scales)
+
+
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 contiguous; packed (N, K/2) uint8, scales and mins (N, K/32) float32 (see
+    gemm.c for the layout) -> (M, N) float32."""
+    return _load().int4_gemm(x, packed, scales, mins)
+
+
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                scale: float) -> torch.Tensor | None:
+    """Each query row attends over exactly its own prefix (see gemm.c), or None when the tensors do not
+    fit the kernel (not float32, or keys/values not contiguous along the head dimension) and the
+    caller should use its own loop.
+
+    q (B, H, T, D), keys and values (B, H_kv, S, D) sharing strides, positions (B, T) int64 ->
+    out (B, T, H, D) float32 contiguous."""
+    return _load().attend_rows(q, keys, values, positions, scale)
+
+
+def _int8_gemm(lib, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     n = scales.shape[0]
     if packed.shape != (-(-n // BLOCK), -(-k // 2), 32) or packed.dtype != torch.int8:
@@ -130,10 +246,7 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> to
     return y
 
 
-def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """x (M, K) float32 contiguous; packed (N, K/2) uint8, scales and mins (N, K/32) float32 (see
-    gemm.c for the layout) -> (M, N) float32."""
-    lib = _load()
+def _int4_gemm(lib, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     n = packed.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
@@ -144,14 +257,8 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins:
     return y
 
 
-def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                scale: float) -> torch.Tensor | None:
-    """Each query row attends over exactly its own prefix (see gemm.c), or None when the tensors do not
-    fit the kernel (not float32, or keys/values not contiguous along the head dimension) and the
-    caller should use its own loop.
-
-    q (B, H, T, D), keys and values (B, H_kv, S, D) sharing strides, positions (B, T) int64 ->
-    out (B, T, H, D) float32 contiguous."""
+def _attend_rows(lib, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                 scale: float) -> torch.Tensor | None:
     b, h, t, d = q.shape
     hkv, s = keys.shape[1], keys.shape[2]
     if (q.dtype != torch.float32 or keys.dtype != torch.float32 or values.dtype != torch.float32
@@ -162,7 +269,7 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, posit
     if int(positions.max()) >= s or int(positions.min()) < 0:
         raise ValueError(f"attend_rows: positions outside the {s} cached keys")
     out = torch.empty(b, t, h, d, dtype=torch.float32)
-    if _load().verispec_attend_rows(q.data_ptr(), keys.data_ptr(), values.data_ptr(), positions.data_ptr(),
+    if lib.verispec_attend_rows(q.data_ptr(), keys.data_ptr(), values.data_ptr(), positions.data_ptr(),
                                     out.data_ptr(), b, h, hkv, t, d, s, keys.stride(0), keys.stride(1), scale,
                                     torch.get_num_threads()):
         raise MemoryError("attend_rows: no memory for the scores")
