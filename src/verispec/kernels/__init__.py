@@ -1,8 +1,10 @@
 """Native CPU kernels, compiled on first use with the system C compiler and cached.
 
 `gemm.c` holds the quantized matmuls (int8 weights per channel with activations rounded to 16-bit
-integers per row and integer dot products; int4 per group of 32) and row-by-row attention for
-decode and verify passes (see its header). One source is built into one shared library per
+integers per row and integer dot products; int4 per group of 32), `attention.c` the row-by-row
+attention of decode and verify passes (reading a static or paged cache in place), `decoder.c` a whole
+decoder pass of an int8 model in one call (see each file's header). The sources are built into one
+shared library per
 instruction-set variant (`VARIANTS`, best first): `avx512vnni` (AVX-512 F/BW/VL/DQ + VNNI: the int8
 matmul on 512-bit vectors with `vpdpwssd`) and `avx2` (AVX2 + FMA). At first use the best variant this
 CPU supports is built into `$VERISPEC_CACHE/kernels/` (about a second with gcc; the file name hashes
@@ -30,8 +32,10 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("gemm.c")
-ABI = 9
+HERE = Path(__file__).parent
+SOURCES = [HERE / "gemm.c", HERE / "attention.c", HERE / "decoder.c"]
+HEADER = HERE / "kernels.h"
+ABI = 10
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _status = "not loaded"
 
@@ -110,9 +114,12 @@ class NativeKernels:
         self.lib, self.variant = lib, variant
         lib.verispec_int8_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
         lib.verispec_int4_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_int]
-        lib.verispec_attend_rows.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_long] * 8
-                                             + [ctypes.c_float, ctypes.c_int])
-        lib.verispec_int8_gemm.restype = lib.verispec_int4_gemm.restype = lib.verispec_attend_rows.restype = ctypes.c_int
+        lib.verispec_attend_rows.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_void_p] * 2
+                                             + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int])
+        lib.verispec_decoder.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
+                                         + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_int])
+        for fn in (lib.verispec_int8_gemm, lib.verispec_int4_gemm, lib.verispec_attend_rows, lib.verispec_decoder):
+            fn.restype = ctypes.c_int
 
     def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return _int8_gemm(self.lib, x, packed, scales)
@@ -124,6 +131,10 @@ class NativeKernels:
     def attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                     scale: float) -> torch.Tensor | None:
         return _attend_rows(self.lib, q, keys, values, positions, scale)
+
+    def decoder(self, x: torch.Tensor, weights, dims, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                layout: "CacheLayout") -> None:
+        _decoder(self.lib, x, weights, dims, cos, sin, positions, layout)
 
 
 @lru_cache(maxsize=None)
@@ -139,18 +150,20 @@ def load_variant(name: str) -> NativeKernels:
     if compiler is None:
         raise RuntimeError("no C compiler (install gcc to build the fast int8 kernel)")
     flags = [*BASE_FLAGS, *variant.flags]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    text = b"".join(f.read_bytes() for f in (HEADER, *SOURCES))
+    key = hashlib.sha256(text + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"gemm-{name}-{key}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+            subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp], check=True, capture_output=True,
+                           timeout=120)
             os.replace(tmp, lib_path)                     # atomic: a concurrent build never sees half a file
         except (subprocess.SubprocessError, OSError) as err:
             detail = (getattr(err, "stderr", b"") or b"").decode(errors="replace")[:200]
-            raise RuntimeError(f"compiling {SOURCE.name} for {name} failed ({detail or err})") from None
+            raise RuntimeError(f"compiling the kernels for {name} failed ({detail or err})") from None
         finally:
             Path(tmp).unlink(missing_ok=True)
     try:
@@ -234,6 +247,12 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, posit
     return _load().attend_rows(q, keys, values, positions, scale)
 
 
+def decoder(x: torch.Tensor, weights, dims, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+            layout: "CacheLayout") -> None:
+    """A whole decoder pass in place on x (see decoder.c and `_decoder`)."""
+    _load().decoder(x, weights, dims, cos, sin, positions, layout)
+
+
 def _int8_gemm(lib, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     n = scales.shape[0]
@@ -264,13 +283,51 @@ def _attend_rows(lib, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if (q.dtype != torch.float32 or keys.dtype != torch.float32 or values.dtype != torch.float32
             or keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != d or h % hkv):
         return None
-    q = q.contiguous()
+    q = q.transpose(1, 2).contiguous()                                       # (B, T, H, D)
     positions = positions.to(torch.int64).contiguous()
     if int(positions.max()) >= s or int(positions.min()) < 0:
         raise ValueError(f"attend_rows: positions outside the {s} cached keys")
+    rows = torch.arange(b, dtype=torch.int64)                                # each row one block: its own keys
     out = torch.empty(b, t, h, d, dtype=torch.float32)
-    if lib.verispec_attend_rows(q.data_ptr(), keys.data_ptr(), values.data_ptr(), positions.data_ptr(),
-                                    out.data_ptr(), b, h, hkv, t, d, s, keys.stride(0), keys.stride(1), scale,
-                                    torch.get_num_threads()):
+    if lib.verispec_attend_rows(q.data_ptr(), keys.data_ptr(), values.data_ptr(), rows.data_ptr(), 1, s,
+                                keys.stride(0), keys.stride(1), positions.data_ptr(), out.data_ptr(), b, h, hkv, t, d,
+                                scale, torch.get_num_threads()):
         raise MemoryError("attend_rows: no memory for the scores")
     return out
+
+
+class LayerWeights(ctypes.Structure):
+    """One decoder layer's tensors for decoder.c (pointers; the owner keeps the tensors alive)."""
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("ln1", "ln2", "qkv", "qkv_scale", "qkv_bias", "o", "o_scale", "gu", "gu_scale", "down", "down_scale")]
+
+
+class DecoderDims(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_long) for name in ("layers", "C", "H", "Hkv", "D", "I")] + \
+               [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Where the decoder pass reads and writes keys and values (decoder.c, kernels.h's kv_view): position s
+    of batch row b, layer l, KV head h at store[l · layer_stride + tables[b, s // block] · block_stride
+    + h · head_stride + (s % block) · D]. k, v float32 stores; tables (B, NB) int64 contiguous."""
+    k: torch.Tensor
+    v: torch.Tensor
+    tables: torch.Tensor
+    block: int
+    layer_stride: int
+    block_stride: int
+    head_stride: int
+
+
+def _decoder(lib, x: torch.Tensor, weights, dims: DecoderDims, cos: torch.Tensor, sin: torch.Tensor,
+             positions: torch.Tensor, layout: CacheLayout) -> None:
+    """x (B, T, C) float32 contiguous, updated in place; cos, sin (B, T, D) contiguous; positions (B, T)
+    int64 contiguous, each below the table's reach (checked by the caller's cache view)."""
+    b, t, _ = x.shape
+    if lib.verispec_decoder(x.data_ptr(), ctypes.addressof(weights), ctypes.addressof(dims), cos.data_ptr(),
+                            sin.data_ptr(), positions.data_ptr(), b, t, layout.k.data_ptr(), layout.v.data_ptr(),
+                            layout.layer_stride, layout.tables.data_ptr(), layout.tables.shape[1], layout.block,
+                            layout.block_stride, layout.head_stride, torch.get_num_threads()):
+        raise MemoryError("decoder pass: no memory for its buffers")

@@ -22,14 +22,7 @@
  * on how many rows share the pass: a K+1 verify row equals a 1-row decode step bit for bit, which keeps
  * greedy speculative output identical to greedy plain output.
  */
-#include <immintrin.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "kernels.h"
 
 #define BLK 16          /* output columns per packed block */
 #define MG 6            /* activation rows per group */
@@ -92,12 +85,19 @@ static inline __m256i pair(const int16_t *p) {
         }                                                                                        \
     }
 
-KERNEL_P(4, 1) KERNEL_P(2, 1) KERNEL_P(2, 2) KERNEL_P(2, 3) KERNEL_P(2, 4) KERNEL_P(2, 5) KERNEL_P(2, 6)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define USE_ZMM 1
+#else
+#define USE_ZMM 0
+#endif
 
 typedef void (*blk_fn)(const int16_t *, const float *, const int8_t *, const float *, float *, long, long, long);
+#if !USE_ZMM
+KERNEL_P(4, 1) KERNEL_P(2, 1) KERNEL_P(2, 2) KERNEL_P(2, 3) KERNEL_P(2, 4) KERNEL_P(2, 5) KERNEL_P(2, 6)
 /* By rows in a group, one 16-column block at a time (measured against 8 columns for 4-6 rows, which
    keeps every accumulator in registers: 15-25 % slower, the widened weights then serve fewer rows). */
 static const blk_fn BY_ROWS[MG + 1] = {0, p_2_1, p_2_2, p_2_3, p_2_4, p_2_5, p_2_6};
+#endif
 
 /* One row to 16-bit integers: qx (Kp) with a zero past K, sx = max |x| / 32767. */
 static void quantize_row(const float *x, long K, int16_t *qx, float *sx) {
@@ -122,7 +122,7 @@ static void quantize_row(const float *x, long K, int16_t *qx, float *sx) {
     if (K & 1) qx[K] = 0;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if USE_ZMM
 /* AVX-512 VNNI: one zmm holds a whole 16-column block for one k pair (32 int8 widened to 32 int16,
    lane = column), and vpdpwssd does the 32 multiply-adds and the accumulation in one instruction
    (vpmaddwd + vpaddd on AVX2). The products, the int32 chunk sums (wrapping is impossible, as above),
@@ -210,24 +210,31 @@ static void int8_tile(const int16_t *qx, const float *sx, const int8_t *wp, cons
 
 #define TILE 64         /* columns per thread work item */
 
+void vs_quantize_rows_ws(const float *x, long M, long K, int16_t *qx, float *sx) {
+#pragma omp for schedule(static)
+    for (long m = 0; m < M; m++) quantize_row(x + m * K, K, qx + m * kpad(K), sx + m);
+}
+
+void vs_int8_gemm_ws(const int16_t *qx, const float *sx, const int8_t *wp, const float *scale, float *y,
+                     long M, long N, long K) {
+    long P = kpad(K) / 2, npad = (N + BLK - 1) / BLK * BLK, tiles = (npad + TILE - 1) / TILE;
+#pragma omp for schedule(static)
+    for (long t = 0; t < tiles; t++) {
+        long c0 = t * TILE, c1 = c0 + TILE < npad ? c0 + TILE : npad;
+        int8_tile(qx, sx, wp, scale, y, M, N, P, c0, c1);
+    }
+}
+
 /* Returns 0, or -1 when the scratch buffer cannot be allocated. */
 int verispec_int8_gemm(const float *x, const int8_t *wp, const float *scale, float *y,
                        long M, long N, long K, int threads) {
-    long P = (K + 1) / 2;
-    int16_t *qx = malloc(sizeof(int16_t) * 2 * P * M + sizeof(float) * M + 64);
+    int16_t *qx = malloc(sizeof(int16_t) * kpad(K) * M + sizeof(float) * M + 64);
     if (!qx) return -1;
-    float *sx = (float *)(qx + 2 * P * M);
-    long npad = (N + BLK - 1) / BLK * BLK;
-    long tiles = (npad + TILE - 1) / TILE;
+    float *sx = (float *)(qx + kpad(K) * M);
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (long m = 0; m < M; m++) quantize_row(x + m * K, K, qx + m * 2 * P, sx + m);
-#pragma omp for schedule(static)
-        for (long t = 0; t < tiles; t++) {
-            long c0 = t * TILE, c1 = c0 + TILE < npad ? c0 + TILE : npad;
-            int8_tile(qx, sx, wp, scale, y, M, N, P, c0, c1);
-        }
+        vs_quantize_rows_ws(x, M, K, qx, sx);
+        vs_int8_gemm_ws(qx, sx, wp, scale, y, M, N, K);
     }
     free(qx);
     return 0;
@@ -240,13 +247,6 @@ int verispec_int8_gemm(const float *x, const int8_t *wp, const float *scale, flo
  * weights run in int4 with no loss against the file. Same row-exactness rule as above: each output
  * is one fixed sequence of operations whatever M is.
  */
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 sh = _mm_movehdup_ps(lo);
-    __m128 s = _mm_add_ps(lo, sh);
-    sh = _mm_movehl_ps(sh, s);
-    return _mm_cvtss_f32(_mm_add_ss(s, sh));
-}
 
 #define G4 32
 #define MG4 4
@@ -320,151 +320,8 @@ int verispec_int4_gemm(const float *x, const uint8_t *q, const float *scale, con
     return 0;
 }
 
-/* ---------------------------------------------------------------------------------------------
- * Attention for decode and verify rows: each query row attends over exactly its own prefix.
- *   q   (B, H, T, D) contiguous;  keys, values: (B, H_kv, S, D) with strides (sb, sh, D), D contiguous;
- *   pos (B, T) int64: row (b, t) sees keys 0 … pos[b, t];  out (B, T, H, D) contiguous (o_proj's input).
- * A work item is one row and one KV head with its G query heads, so each key and value row is read
- * once for all G heads (G independent FMA chains). Per head: scores in order over s, softmax (max,
- * exp, sum in 8 lanes then across them), then Σ_s p_s · v_s in order — a fixed sequence of operations
- * that depends only on that row's query and prefix, never on how many rows share the pass, so a K+1
- * verify row equals a 1-token decode step bit for bit.
- */
-#define GMAX 8          /* query heads per KV head handled together (more: in several passes) */
-
-/* exp for x ≤ 0 (softmax arguments), Cephes' range reduction and polynomial: relative error ~1e-7. */
-static inline __m256 exp_neg(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-/* G ≤ GMAX query rows qr[g] (each D floats) against keys 0 … p: w[g·SP + s] = scale · q_g · k_s. */
-static inline __attribute__((always_inline)) void scores(const float *const *qr, const int G, const float *kb, long p, long D, float scale, float *w, long SP) {
-    for (long s = 0; s <= p; s++) {
-        const float *k = kb + s * D;
-        __m256 acc[GMAX];
-        for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
-        long d = 0;
-        for (; d + 8 <= D; d += 8) {
-            __m256 kv = _mm256_loadu_ps(k + d);
-            for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[g] + d), kv, acc[g]);
-        }
-        for (int g = 0; g < G; g++) {
-            float v = hsum(acc[g]);
-            for (long dd = d; dd < D; dd++) v = fmaf(qr[g][dd], k[dd], v);
-            w[g * SP + s] = v * scale;
-        }
-    }
-}
-
-/* In place: w[0 … p] -> exp(w - max); returns 1 / Σ. Lanes past p are set to zero. */
-static float softmax_row(float *w, long p) {
-    long n = p + 1, n8 = (n + 7) / 8 * 8;
-    float mx = -INFINITY;
-    for (long s = 0; s < n; s++) mx = w[s] > mx ? w[s] : mx;
-    for (long s = n; s < n8; s++) w[s] = -INFINITY;
-    __m256 vmx = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
-    for (long s = 0; s < n8; s += 8) {
-        __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(w + s), vmx));
-        e = s + 8 > n ? _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                            _mm256_set1_epi32((int)(n - s)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))) : e;
-        _mm256_storeu_ps(w + s, e);
-        sum = _mm256_add_ps(sum, e);
-    }
-    return 1.0f / hsum(sum);
-}
-
-/* out_g[d] = inv[g] · Σ_{s ≤ p} w[g·SP + s] · v_s[d], 16 dimensions at a time for all G heads. */
-static inline __attribute__((always_inline)) void mix_values(const float *w, long SP, const float *inv, const int G, const float *vb, long p, long D,
-                       float *const *out) {
-    long d = 0;
-    for (; d + 16 <= D; d += 16) {
-        __m256 acc[GMAX][2];
-        for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
-        for (long s = 0; s <= p; s++) {
-            __m256 v0 = _mm256_loadu_ps(vb + s * D + d), v1 = _mm256_loadu_ps(vb + s * D + d + 8);
-            for (int g = 0; g < G; g++) {
-                __m256 ws = _mm256_broadcast_ss(w + g * SP + s);
-                acc[g][0] = _mm256_fmadd_ps(ws, v0, acc[g][0]);
-                acc[g][1] = _mm256_fmadd_ps(ws, v1, acc[g][1]);
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            _mm256_storeu_ps(out[g] + d, _mm256_mul_ps(acc[g][0], _mm256_set1_ps(inv[g])));
-            _mm256_storeu_ps(out[g] + d + 8, _mm256_mul_ps(acc[g][1], _mm256_set1_ps(inv[g])));
-        }
-    }
-    for (; d < D; d++)
-        for (int g = 0; g < G; g++) {
-            float acc = 0.0f;
-            for (long s = 0; s <= p; s++) acc = fmaf(w[g * SP + s], vb[s * D + d], acc);
-            out[g][d] = acc * inv[g];
-        }
-}
-
-/* One row and one KV head: G query heads (a compile-time constant, so the G accumulators live in
-   registers), scratch w of G × SP floats. */
-#define ATTEND_GROUP(G)                                                                          \
-    static void group_##G(const float *const *qr, float *const *o, const float *kb, const float *vb, \
-                          long p, long D, float scale, float *w, long SP) {                        \
-        float inv[G];                                                                            \
-        scores(qr, G, kb, p, D, scale, w, SP);                                                   \
-        for (int g = 0; g < G; g++) inv[g] = softmax_row(w + g * SP, p);                         \
-        mix_values(w, SP, inv, G, vb, p, D, o);                                                  \
-    }
-ATTEND_GROUP(1) ATTEND_GROUP(2) ATTEND_GROUP(3) ATTEND_GROUP(4)
-ATTEND_GROUP(5) ATTEND_GROUP(6) ATTEND_GROUP(7) ATTEND_GROUP(8)
-typedef void (*group_fn)(const float *const *, float *const *, const float *, const float *, long, long, float,
-                         float *, long);
-static const group_fn GROUPS[GMAX + 1] = {0, group_1, group_2, group_3, group_4, group_5, group_6, group_7, group_8};
-
-int verispec_attend_rows(const float *q, const float *keys, const float *values, const int64_t *pos, float *out,
-                         long B, long H, long Hkv, long T, long D, long S, long sb, long sh, float scale,
-                         int threads) {
-    long G = H / Hkv, SP = (S + 7) / 8 * 8, items = B * T * Hkv;
-    float *scratch = malloc(sizeof(float) * SP * GMAX * threads);
-    if (!scratch) return -1;
-#pragma omp parallel num_threads(threads)
-    {
-        float *w = scratch;
-#ifdef _OPENMP
-        w += SP * GMAX * omp_get_thread_num();
-#endif
-#pragma omp for schedule(static)
-        for (long it = 0; it < items; it++) {
-            long b = it / (T * Hkv), t = it / Hkv % T, kh = it % Hkv, p = pos[b * T + t];
-            const float *kb = keys + b * sb + kh * sh, *vb = values + b * sb + kh * sh;
-            for (long g0 = 0; g0 < G; g0 += GMAX) {
-                int gn = G - g0 < GMAX ? (int)(G - g0) : GMAX;
-                const float *qr[GMAX];
-                float *o[GMAX];
-                for (int g = 0; g < gn; g++) {
-                    long h = kh * G + g0 + g;
-                    qr[g] = q + ((b * H + h) * T + t) * D;
-                    o[g] = out + ((b * T + t) * H + h) * D;
-                }
-                GROUPS[gn](qr, o, kb, vb, p, D, scale, w, SP);
-            }
-        }
-    }
-    free(scratch);
-    return 0;
-}
-
-/* Lets the loader check that the library it opened is this file's build. */
-int verispec_kernels_abi(void) { return 9; }
+/* Lets the loader check that the library it opened is this build. */
+int verispec_kernels_abi(void) { return ABI; }
 
 /* The instruction-set variant this build was compiled for. */
 const char *verispec_kernels_variant(void) { return VARIANT; }

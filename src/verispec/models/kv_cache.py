@@ -72,6 +72,11 @@ class CacheView:
         keys = torch.arange(self.kv_len, device=self.positions.device)
         self.mask = (keys[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)
 
+    def layout(self):
+        """How a native pass reads and writes this cache in place (`kernels.CacheLayout`): each sequence's
+        slot is one block as long as the cache. None where it cannot (not float32 on the CPU)."""
+        return _layout(self.cache, self._rows[:, None], self.cache.max_len)
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, H_kv, T, D) at the view's positions; return all keys/values (B, H_kv, kv_len, D)."""
         kc, vc = self.cache.k[layer], self.cache.v[layer]          # (S, H_kv, L, D)
@@ -81,3 +86,13 @@ class CacheView:
         if self._range is not None:
             return kc[self._range, :, : self.kv_len], vc[self._range, :, : self.kv_len]
         return kc[self._rows, :, : self.kv_len], vc[self._rows, :, : self.kv_len]
+
+
+def _layout(cache, tables: torch.Tensor, block: int):
+    """A `kernels.CacheLayout` over cache.k/v (num_layers, blocks, H_kv, block, D), or None."""
+    from verispec.kernels import CacheLayout
+
+    k, v = cache.k, cache.v
+    if k.dtype != torch.float32 or k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
+        return None
+    return CacheLayout(k, v, tables.to(torch.int64).contiguous(), block, k.stride(0), k.stride(1), k.stride(2))

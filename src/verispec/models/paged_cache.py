@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from verispec.models.kv_cache import CacheView
+from verispec.models.kv_cache import CacheView, _layout
 
 
 class PagedKVCache:
@@ -65,6 +65,10 @@ class PagedCacheView(CacheView):
         self.tables = torch.tensor(padded, dtype=torch.long, device=device)            # (B, NB)
         blocks = torch.gather(self.tables, 1, self.positions // bs)                    # (B, T)
         self.write_block, self.write_offset = blocks, self.positions % bs
+
+    def layout(self):
+        """A native pass reads each sequence's blocks in place through its block table."""
+        return _layout(self.cache, self.tables, self.cache.block_size)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kc, vc = self.cache.k[layer], self.cache.v[layer]          # (NBLK, H_kv, bs, D)

@@ -16,6 +16,7 @@ from torch import nn
 from verispec import kernels
 from verispec.config import ModelConfig
 from verispec.models.kv_cache import CacheView
+from verispec.models.native import NativeDecoder
 
 
 # Passes of at most this many tokens per row (decode, verify with K <= 16) attend row by row.
@@ -167,6 +168,11 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Decode, verify and draft passes of an int8 model run in one native call (models/native.py);
+        # False keeps every pass in the torch layers below (the reference).
+        self.native_pass = True
+        self._native: NativeDecoder | None = None
+        self._native_key: tuple | None = None                                  # the weights it was built for
         # load_state_dict takes checkpoint names (q_proj, …) as well as fused ones.
         self.register_load_state_dict_pre_hook(lambda module, state, prefix, *_: fuse_projections(state, prefix))
 
@@ -183,9 +189,21 @@ class Transformer(nn.Module):
         """input_ids, positions: (B, T) -> hidden states (B, T, C) before the final norm."""
         x = self.model.embed_tokens(input_ids)                                 # (B, T, C)
         cos, sin = self.rotary(positions, x.dtype)
+        if input_ids.shape[1] <= ROW_EXACT_MAX_T and (native := self._native_decoder()) is not None:
+            out = native(x, cos, sin, cache)
+            if out is not None:
+                return out
         for block in self.model.layers:
             x = block(x, cos, sin, cache)
         return x
+
+    def _native_decoder(self) -> NativeDecoder | None:
+        if not self.native_pass:
+            return None
+        key = NativeDecoder.fingerprint(self)
+        if key != self._native_key:                                            # new weights: qualify again
+            self._native, self._native_key = NativeDecoder.build(self), key
+        return self._native
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,152 @@
+/* A whole decoder pass over R = B · T new rows in one call and one OpenMP region, for decode, verify
+ * and draft steps (T ≤ a few tens): per layer
+ *   xn = RMSNorm(x) · ln1;  qkv = xn · W_qkvᵀ (+ bias);  RoPE on q and k;  k, v written into the cache;
+ *   att = row-by-row attention (attention.c);  x += att · W_oᵀ;
+ *   xn = RMSNorm(x) · ln2;  [gate | up] = xn · W_guᵀ;  x += (silu(gate) · up) · W_downᵀ.
+ * The matmuls are gemm.c's int8 kernel, the attention attention.c's; the steps between them are
+ * worksharing loops over rows (or row × head), each ended by the loop's barrier, so the threads stay
+ * in one region for the whole pass instead of forking and joining ~10 times per layer.
+ *
+ * Row exactness: every step computes a row from that row alone (plus the cached prefix it attends),
+ * by one fixed sequence of operations, whatever R is — so a verify row equals a decode step bit for
+ * bit, as in the torch model. The torch model (models/transformer.py) is the reference; bias, RoPE,
+ * the cache write, the matmuls and the attention are the same operations on the same values, while
+ * RMSNorm's sum of squares and SiLU's exponential differ from torch's in the last bits (the tests
+ * compare the two passes with a tolerance, and each path with itself bit for bit).
+ *
+ * Layout: x (R, C) float32, updated in place (the residual stream); cos, sin (R, D); pos (R) int64;
+ * the cache of layer l is kv_view's addressing over kstore/vstore + l · layer_stride.
+ */
+#include "kernels.h"
+
+typedef struct {
+    const float *ln1, *ln2;                                 /* (C) RMSNorm weights */
+    const int8_t *qkv; const float *qkv_scale, *qkv_bias;   /* (H + 2 H_kv) · D outputs from C; bias or NULL */
+    const int8_t *o; const float *o_scale;                  /* C outputs from H · D */
+    const int8_t *gu; const float *gu_scale;                /* 2I outputs from C: gate rows, then up rows */
+    const int8_t *down; const float *down_scale;            /* C outputs from I */
+} layer_weights;
+
+typedef struct {
+    long layers, C, H, Hkv, D, I;
+    float eps, scale;                                       /* RMSNorm epsilon; attention scale D^-1/2 */
+} decoder_dims;
+
+/* y[r] = w · (x[r] / sqrt(mean(x[r]²) + eps)), the torch model's order of the last two products. */
+static void rmsnorm_ws(const float *x, const float *w, float *y, long R, long C, float eps) {
+#pragma omp for schedule(static)
+    for (long r = 0; r < R; r++) {
+        const float *xr = x + r * C;
+        __m256 acc = _mm256_setzero_ps();
+        long c = 0;
+        for (; c + 8 <= C; c += 8) {
+            __m256 v = _mm256_loadu_ps(xr + c);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+        }
+        float ss = hsum(acc);
+        for (; c < C; c++) ss += xr[c] * xr[c];
+        float inv = 1.0f / sqrtf(ss / (float)C + eps);
+        for (c = 0; c < C; c++) y[r * C + c] = w[c] * (xr[c] * inv);
+    }
+}
+
+static void add_rows_ws(float *x, const float *y, long R, long C) {
+#pragma omp for schedule(static)
+    for (long r = 0; r < R; r++)
+        for (long c = 0; c < C; c++) x[r * C + c] += y[r * C + c];
+}
+
+/* act[r, i] = silu(gate[r, i]) · up[r, i] with gu = [gate | up] (R, 2I); silu(x) = x · σ(x), σ from
+   e = exp(-|x|): 1 / (1 + e) for x ≥ 0, e / (1 + e) below. */
+static void silu_mul_ws(const float *gu, float *act, long R, long I) {
+#pragma omp for schedule(static)
+    for (long r = 0; r < R; r++) {
+        const float *g = gu + r * 2 * I, *u = g + I;
+        float *a = act + r * I;
+        long i = 0;
+        const __m256 one = _mm256_set1_ps(1.0f), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        for (; i + 8 <= I; i += 8) {
+            __m256 x = _mm256_loadu_ps(g + i);
+            __m256 e = exp_neg(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_and_ps(x, absmask)));
+            __m256 den = _mm256_add_ps(one, e);
+            __m256 pos = _mm256_div_ps(one, den), neg = _mm256_div_ps(e, den);
+            __m256 sig = _mm256_blendv_ps(neg, pos, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) {
+            float x = g[i], e = expf(-fabsf(x)), sig = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            a[i] = (x * sig) * u[i];
+        }
+    }
+}
+
+/* Bias, RoPE (rotate-half: v·cos + rot(v)·sin with rot(v) = [-v₂, v₁]) and the cache write, one
+   head vector of one row per work item. */
+static void qkv_post_ws(float *qkv, const float *bias, const float *cos, const float *sin, const int64_t *pos,
+                        const kv_view *kv, long R, long T, long H, long Hkv, long D) {
+    long heads = H + 2 * Hkv, half = D / 2;
+#pragma omp for schedule(static)
+    for (long it = 0; it < R * heads; it++) {
+        long r = it / heads, j = it % heads;
+        float *v = qkv + r * heads * D + j * D;
+        if (bias)
+            for (long d = 0; d < D; d++) v[d] = v[d] + bias[j * D + d];
+        if (j < H + Hkv) {
+            float rot[512], tmp[512];
+            const float *cr = cos + r * D, *sr = sin + r * D;
+            for (long d = 0; d < half; d++) rot[d] = -v[d + half];
+            for (long d = half; d < D; d++) rot[d] = v[d - half];
+            for (long d = 0; d < D; d++) {
+                float a = v[d] * cr[d], b = rot[d] * sr[d];
+                tmp[d] = a + b;
+            }
+            memcpy(v, tmp, sizeof(float) * D);
+        }
+        if (j >= H) {
+            long kh = (j - H) % Hkv, p = pos[r];
+            const int64_t *table = kv->tables + (r / T) * kv->nb;
+            float *store = (float *)(j < H + Hkv ? kv->k : kv->v);
+            memcpy(store + table[p / kv->bs] * kv->blk_stride + kh * kv->head_stride + (p % kv->bs) * D, v,
+                   sizeof(float) * D);
+        }
+    }
+}
+
+/* Returns 0, or -1 when the scratch buffers cannot be allocated. */
+int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, const float *cos, const float *sin,
+                     const int64_t *pos, long B, long T, float *kstore, float *vstore, long layer_stride,
+                     const int64_t *tables, long nb, long bs, long blk_stride, long head_stride, int threads) {
+    long R = B * T, C = dm->C, H = dm->H, Hkv = dm->Hkv, D = dm->D, I = dm->I;
+    long QW = (H + 2 * Hkv) * D, KMAX = kpad(C > H * D ? (C > I ? C : I) : (H * D > I ? H * D : I));
+    long maxp = 0;
+    for (long r = 0; r < R; r++) maxp = pos[r] > maxp ? pos[r] : maxp;
+    long SP = spad(maxp + 1);
+    size_t floats = (size_t)R * (2 * C + QW + H * D + 3 * I) + R + (size_t)SP * GMAX * threads;
+    float *arena = malloc(sizeof(float) * floats + sizeof(int16_t) * R * KMAX + 64);
+    if (!arena) return -1;
+    float *xn = arena, *tmp = xn + R * C, *qkv = tmp + R * C, *att = qkv + R * QW, *gu = att + R * H * D;
+    float *act = gu + R * 2 * I, *sx = act + R * I, *scratch = sx + R;
+    int16_t *qx = (int16_t *)(scratch + (size_t)SP * GMAX * threads);
+#pragma omp parallel num_threads(threads)
+    for (long l = 0; l < dm->layers; l++) {
+        const layer_weights *w = lw + l;
+        kv_view kv = {kstore + l * layer_stride, vstore + l * layer_stride, tables, nb, bs, blk_stride, head_stride};
+        rmsnorm_ws(x, w->ln1, xn, R, C, dm->eps);
+        vs_quantize_rows_ws(xn, R, C, qx, sx);
+        vs_int8_gemm_ws(qx, sx, w->qkv, w->qkv_scale, qkv, R, QW, C);
+        qkv_post_ws(qkv, w->qkv_bias, cos, sin, pos, &kv, R, T, H, Hkv, D);
+        vs_attend_ws(qkv, QW, &kv, pos, att, B, H, Hkv, T, D, dm->scale, scratch, SP);
+        vs_quantize_rows_ws(att, R, H * D, qx, sx);
+        vs_int8_gemm_ws(qx, sx, w->o, w->o_scale, tmp, R, C, H * D);
+        add_rows_ws(x, tmp, R, C);
+        rmsnorm_ws(x, w->ln2, xn, R, C, dm->eps);
+        vs_quantize_rows_ws(xn, R, C, qx, sx);
+        vs_int8_gemm_ws(qx, sx, w->gu, w->gu_scale, gu, R, 2 * I, C);
+        silu_mul_ws(gu, act, R, I);
+        vs_quantize_rows_ws(act, R, I, qx, sx);
+        vs_int8_gemm_ws(qx, sx, w->down, w->down_scale, tmp, R, C, I);
+        add_rows_ws(x, tmp, R, C);
+    }
+    free(arena);
+    return 0;
+}

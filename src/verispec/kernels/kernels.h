@@ -1,0 +1,66 @@
+/* Shared by the native kernels (gemm.c, attention.c, decoder.c), which build into one library per
+ * instruction-set variant (see __init__.py). Functions named vs_*_ws are OpenMP worksharing loops:
+ * call them from inside a parallel region (every thread calls, each takes its share, a barrier ends
+ * each loop), so one region can run a whole decoder pass. */
+#ifndef VERISPEC_KERNELS_H
+#define VERISPEC_KERNELS_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define ABI 10
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 sh = _mm_movehdup_ps(lo);
+    __m128 s = _mm_add_ps(lo, sh);
+    sh = _mm_movehl_ps(sh, s);
+    return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+
+/* exp for x ≤ 0 (softmax arguments), Cephes' range reduction and polynomial: relative error ~1e-7. */
+static inline __m256 exp_neg(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* int8 matmul in two worksharing steps (gemm.c): round each row of x (M, K) to 16-bit integers with
+   its own scale (qx: M × kpad(K) int16, sx: M floats), then y (M, N) = qx · wᵀ · scale · sx. */
+static inline long kpad(long K) { return (K + 1) / 2 * 2; }
+void vs_quantize_rows_ws(const float *x, long M, long K, int16_t *qx, float *sx);
+void vs_int8_gemm_ws(const int16_t *qx, const float *sx, const int8_t *wp, const float *scale, float *y,
+                     long M, long N, long K);
+
+/* Where a layer's keys and values live: position s of batch row b, KV head h, dimension d is at
+   store[tables[b · nb + s / bs] · blk_stride + h · head_stride + (s % bs) · D + d]. A static cache is
+   one block per row (bs = its length); a paged cache reads its blocks in place. */
+typedef struct {
+    const float *k, *v;
+    const int64_t *tables;
+    long nb, bs, blk_stride, head_stride;
+} kv_view;
+
+/* Each query row attends over exactly its own prefix (attention.c). q(r, h) = q + r · q_rs + h · D for
+   rows r = b · T + t; out (R, H, D) contiguous; scratch of threads × GMAX × spad(max pos + 1) floats. */
+#define GMAX 8
+static inline long spad(long s) { return (s + 7) / 8 * 8; }
+void vs_attend_ws(const float *q, long q_rs, const kv_view *kv, const int64_t *pos, float *out, long B,
+                  long H, long Hkv, long T, long D, float scale, float *scratch, long SP);
+#endif

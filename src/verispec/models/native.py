@@ -1,0 +1,83 @@
+"""A whole decoder pass in one native call (kernels/decoder.c) for int8 models on the CPU.
+
+`NativeDecoder.build(model)` says whether a model qualifies — float32 compute, every projection an
+`Int8Linear` in the kernel's packed layout (o, gate/up and down without bias), the native kernels
+available — and holds one `LayerWeights` record of tensor pointers per layer. Calling it runs every
+decoder layer over a pass of new tokens, reading and writing the engine's cache (static or paged) in
+place through `CacheView.layout()`. The torch layers in `transformer.py` stay the reference and the
+fallback: int4 layers, bf16, GPUs, prefill chunks, `VERISPEC_KERNELS=off`.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from verispec import kernels
+from verispec.models.kv_cache import CacheView
+from verispec.models.quant import Int8Linear
+
+MAX_HEAD_DIM = 512            # decoder.c's per-head scratch
+
+
+class NativeDecoder:
+    def __init__(self, model):
+        cfg = model.config
+        layers = model.model.layers
+        self._keep: list[torch.Tensor] = []       # the tensors behind the pointers
+        self.weights = (kernels.LayerWeights * len(layers))()
+        for record, block in zip(self.weights, layers):
+            attn, mlp = block.self_attn, block.mlp
+            for field, tensor in (("ln1", block.input_layernorm.weight), ("ln2", block.post_attention_layernorm.weight),
+                                  ("qkv", attn.qkv_proj.weight), ("qkv_scale", attn.qkv_proj.scales),
+                                  ("qkv_bias", attn.qkv_proj.bias), ("o", attn.o_proj.weight),
+                                  ("o_scale", attn.o_proj.scales), ("gu", mlp.gate_up_proj.weight),
+                                  ("gu_scale", mlp.gate_up_proj.scales), ("down", mlp.down_proj.weight),
+                                  ("down_scale", mlp.down_proj.scales)):
+                if tensor is not None:
+                    tensor = tensor.detach().contiguous()
+                    self._keep.append(tensor)
+                setattr(record, field, None if tensor is None else tensor.data_ptr())
+        self.dims = kernels.DecoderDims(layers=len(layers), C=cfg.hidden_size, H=cfg.num_heads, Hkv=cfg.num_kv_heads,
+                                        D=cfg.head_dim, I=cfg.intermediate_size, eps=cfg.rms_norm_eps,
+                                        scale=cfg.head_dim ** -0.5)
+
+    @staticmethod
+    def fingerprint(model) -> tuple:
+        """Identifies the weights the pointers were read from (a reload or a quantization swap changes it)."""
+        first, last = model.model.layers[0], model.model.layers[-1]
+        return tuple(id(m) for m in (first.self_attn.qkv_proj, last.mlp.down_proj)) + (
+            first.self_attn.qkv_proj.weight.data_ptr(), last.mlp.down_proj.weight.data_ptr())
+
+    @classmethod
+    def build(cls, model) -> "NativeDecoder | None":
+        """The native pass for this model, or None when it does not qualify (see the module docstring)."""
+        cfg = model.config
+        if (model.device.type != "cpu" or model.dtype != torch.float32 or not kernels.available()
+                or cfg.head_dim > MAX_HEAD_DIM or cfg.num_heads % cfg.num_kv_heads):
+            return None
+        for block in model.model.layers:
+            attn, mlp = block.self_attn, block.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(m, Int8Linear) for m in linears):
+                return None
+            if any(m.bias is not None for m in linears[1:]):
+                return None
+            norms = (block.input_layernorm.weight, block.post_attention_layernorm.weight)
+            if any(n.dtype != torch.float32 for n in norms):
+                return None
+        return cls(model)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CacheView) -> torch.Tensor | None:
+        """x (B, T, C) float32 embeddings, cos/sin (B, 1, T, D) -> hidden states (B, T, C) before the final
+        norm, or None when the cache cannot be read in place (the caller runs the torch layers)."""
+        layout = cache.layout()
+        if layout is None:
+            return None
+        x = x.contiguous()
+        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()              # (B, T, D)
+        kernels.decoder(x, self.weights, self.dims, cos, sin, cache.positions.contiguous(), layout)
+        return x
+
+
+__all__ = ["NativeDecoder"]

@@ -1,0 +1,145 @@
+"""The native decoder pass (kernels/decoder.c via models/native.py) against the torch layers it replaces:
+the same hidden states and cache contents within float tolerance on static and paged caches, rows that
+never depend on the pass they share, greedy speculation identical to plain decoding on it — and a
+deliberately row-dependent variant that the identity test catches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from verispec import LLM, SamplingParams, kernels
+from verispec.models import KVCache
+from verispec.models.native import NativeDecoder
+from verispec.models.paged_cache import PagedKVCache
+from verispec.models.quant import quantize_linears
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernel {kernels.kernel_status()}")
+
+SHAPES = {
+    "qwen2 GQA 2:1": dict(arch="qwen2"),
+    "llama GQA 6:1, head 32, odd widths": dict(arch="llama", hidden_size=96, num_heads=6, num_kv_heads=1, head_dim=32,
+                                               intermediate_size=200, num_layers=3),
+    "qwen2 GQA 7:1, head 128": dict(arch="qwen2", hidden_size=112, num_heads=7, num_kv_heads=1, head_dim=128,
+                                    intermediate_size=160),
+}
+
+
+def int8_model(seed: int = 0, **kw):
+    return quantize_linears(tiny_model(seed, scale=1.5, **kw), "int8")
+
+
+def run(model, cache, slots, chunks, native: bool) -> torch.Tensor:
+    """One pass of chunks[b] after each slot's cached tokens; returns hidden states (B, T, C)."""
+    model.native_pass = native
+    t = max(len(c) for c in chunks)
+    ids = torch.tensor([c + [0] * (t - len(c)) for c in chunks])
+    start = torch.tensor([cache.lengths[s] for s in slots])
+    positions = start[:, None] + torch.arange(t)[None, :]
+    return model(ids, positions, cache.view(slots, positions))
+
+
+def advance(cache, slots, chunks):
+    for s, c in zip(slots, chunks):
+        cache.set_length(s, cache.lengths[s] + len(c))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_native_pass_matches_torch_layers_on_a_static_cache(shape):
+    model = int8_model(**SHAPES[shape])
+    assert NativeDecoder.build(model) is not None
+    caches = {n: KVCache.for_model(model.config, 3, 64, torch.float32) for n in (True, False)}
+    prompts = [list(range(1, 21)), list(range(30, 52))]                       # > 17 tokens: torch prefill
+    for native, cache in caches.items():
+        run(model, cache, [0, 2], prompts, native)
+        advance(cache, [0, 2], prompts)
+    for chunks in ([[5], [7]], [[1, 2, 3, 4, 5], [9, 8]], [[3], [4, 5, 6]]):   # decode, ragged verify passes
+        out = {n: run(model, c, [0, 2], chunks, n) for n, c in caches.items()}
+        torch.testing.assert_close(out[True], out[False], rtol=1e-4, atol=1e-4 * out[False].abs().max().item())
+        for n, c in caches.items():
+            advance(c, [0, 2], chunks)
+    for store in ("k", "v"):                                                  # written at the same places
+        a, b = getattr(caches[True], store), getattr(caches[False], store)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+    assert getattr(caches[True], "k")[:, 1].abs().sum() == 0                 # slot 1 untouched
+
+
+def paged(model, tables):
+    return PagedKVCache(model.config, num_blocks=16, block_size=4, block_tables=tables, dtype=torch.float32)
+
+
+def test_native_pass_reads_and_writes_paged_blocks_in_place():
+    model = int8_model()
+    tables = {7: [3, 9, 1, 5, 11, 13], 8: [2, 6, 10]}                           # scattered, out of order
+    caches = {n: paged(model, tables) for n in (True, False)}
+    prompts = [list(range(1, 19)), list(range(40, 46))]
+    for native, cache in caches.items():
+        for s, p in zip([7, 8], prompts):                                    # torch prefill, one sequence each
+            run(model, cache, [s], [p], native)
+            advance(cache, [s], [p])
+    for chunks in ([[5], [7]], [[1, 2, 3], [9, 8, 7]]):
+        out = {n: run(model, c, [7, 8], chunks, n) for n, c in caches.items()}
+        torch.testing.assert_close(out[True], out[False], rtol=1e-4, atol=1e-4 * out[False].abs().max().item())
+        for c in caches.values():
+            advance(c, [7, 8], chunks)
+    torch.testing.assert_close(caches[True].k, caches[False].k, rtol=1e-4, atol=1e-4)
+    for unused in (0, 4, 7, 8, 12, 14, 15):                                              # blocks in no table stay empty
+        assert caches[True].k[:, unused].abs().sum() == 0
+
+
+def test_native_rows_do_not_depend_on_the_pass_they_share():
+    """A 5-token pass equals five 1-token passes bit for bit, alone or next to another sequence."""
+    model = int8_model(**SHAPES["llama GQA 6:1, head 32, odd widths"])
+    prompt, more = list(range(1, 20)), [4, 8, 15, 16, 23]
+    rows = {}
+    for name in ("together", "one by one"):
+        cache = KVCache.for_model(model.config, 2, 64, torch.float32)
+        for s in (0, 1):
+            run(model, cache, [s], [prompt], True)
+            advance(cache, [s], [prompt])
+        if name == "together":
+            rows[name] = run(model, cache, [0, 1], [more, more[:2]], True)[0]
+        else:
+            steps = []
+            for tok in more:
+                steps.append(run(model, cache, [0], [[tok]], True)[0])
+                advance(cache, [0], [[tok]])
+            rows[name] = torch.cat(steps)
+    assert torch.equal(rows["together"], rows["one by one"])
+
+
+def test_greedy_speculation_on_the_native_pass_equals_plain():
+    target, draft = int8_model(0), int8_model(1, num_layers=1)
+    prompts = [[1, 5, 9, 2, 7], [3, 3], [11, 4, 8, 15, 16, 23, 42, 8, 1]]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = [o.token_ids for o in LLM(target, proposer="none").generate(prompts, params)]
+    assert target._native is not None                                        # the pass ran natively
+    for k in (1, 3, 6):
+        spec = LLM(target, draft=draft, proposer="draft", k=k).generate(prompts, params)
+        assert [o.token_ids for o in spec] == plain
+
+
+def test_a_row_dependent_pass_is_caught_by_the_identity_test(monkeypatch):
+    """Broken on purpose: a pass whose rows shift with the pass width. Greedy speculative output then
+    differs from plain — the check above can fail."""
+    target, draft = int8_model(0), int8_model(1, num_layers=1)
+    prompts = [[1, 5, 9, 2, 7], [11, 4, 8, 15, 16, 23, 42, 8, 1]]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = [o.token_ids for o in LLM(target, proposer="none").generate(prompts, params)]
+    honest = NativeDecoder.__call__
+
+    def broken(self, x, cos, sin, cache):
+        out = honest(self, x, cos, sin, cache)
+        return out if out is None or out.shape[1] == 1 else out * (1 + 0.5 * torch.randn(out.shape[-1]))
+
+    monkeypatch.setattr(NativeDecoder, "__call__", broken)
+    spec = LLM(target, draft=target, proposer="draft", k=4).generate(prompts, params)
+    assert [o.token_ids for o in spec] != plain
+
+
+def test_models_that_do_not_qualify_keep_the_torch_layers():
+    assert NativeDecoder.build(tiny_model(0)) is None                         # fp32 weights
+    int4ish = int8_model()
+    int4ish.model.layers[0].mlp.down_proj = torch.nn.Linear(128, 64, bias=False)
+    assert NativeDecoder.build(int4ish) is None                              # one layer not int8
