@@ -11,6 +11,8 @@ fallback: int4 layers, bf16, GPUs, prefill chunks, `VERISPEC_KERNELS=off`.
 from __future__ import annotations
 
 
+import itertools
+
 import torch
 
 from verispec import kernels
@@ -45,9 +47,9 @@ class NativeDecoder:
     @staticmethod
     def fingerprint(model) -> tuple:
         """Identifies the weights the pointers were read from (a reload or a quantization swap changes it)."""
-        first, last = model.model.layers[0], model.model.layers[-1]
-        return tuple(id(m) for m in (first.self_attn.qkv_proj, last.mlp.down_proj)) + (
-            first.self_attn.qkv_proj.weight.data_ptr(), last.mlp.down_proj.weight.data_ptr())
+        ends = (model.model.layers[0].self_attn.qkv_proj, model.model.layers[-1].mlp.down_proj)
+        first_tensor = lambda m: next(itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
+        return tuple(id(m) for m in ends) + tuple(first_tensor(m).data_ptr() for m in ends)
 
     @classmethod
     def build(cls, model) -> "NativeDecoder | None":
