@@ -143,3 +143,26 @@ def test_models_that_do_not_qualify_keep_the_torch_layers():
     int4ish = int8_model()
     int4ish.model.layers[0].mlp.down_proj = torch.nn.Linear(128, 64, bias=False)
     assert NativeDecoder.build(int4ish) is None                              # one layer not int8
+
+
+def test_every_kernel_variant_gives_the_same_native_pass():
+    """The decoder pass built for each instruction set this CPU runs gives the same bits."""
+    names = kernels.supported_variants()
+    if len(names) < 2:
+        pytest.skip(f"this CPU runs only {names}: nothing to compare")
+    model = int8_model(**SHAPES["qwen2 GQA 7:1, head 128"])
+    decoder = NativeDecoder.build(model)
+    outs = []
+    for name in names:
+        cache = KVCache.for_model(model.config, 2, 64, torch.float32)
+        run(model, cache, [1], [list(range(1, 21))], False)
+        advance(cache, [1], [list(range(1, 21))])
+        positions = torch.arange(20, 24)[None]
+        x = model.model.embed_tokens(torch.tensor([[3, 1, 4, 1]]))
+        cos, sin = model.rotary(positions, x.dtype)
+        view = cache.view([1], positions)
+        kernels.load_variant(name).decoder(x, decoder.weights, decoder.dims, cos[:, 0].contiguous(),
+                                           sin[:, 0].contiguous(), positions, view.layout())
+        outs.append((x, cache.k.clone()))
+    for x, k in outs[1:]:
+        assert torch.equal(x, outs[0][0]) and torch.equal(k, outs[0][1])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verispec import LLM, SamplingParams
+from verispec import LLM, SamplingParams, kernels
 from verispec.models import KVCache
 
 pytestmark = pytest.mark.real
@@ -108,6 +108,21 @@ def test_greedy_speculative_equals_plain_on_the_real_pair(real_pair):
     assert sum(o.spec["accepted"] for o in batched) > 0
     ngram = LLM(target, proposer="ngram", k=4).generate(CODE_PROMPTS, params)
     assert [o.token_ids for o in ngram] == [o.token_ids for o in plain]
+
+
+@pytest.mark.real
+def test_greedy_speculative_equals_plain_in_int8_on_the_native_pass():
+    """The default CPU format: every decode and verify pass of both models runs in the native decoder
+    (kernels/decoder.c), and greedy speculation still changes nothing."""
+    from verispec.loaders.resolve import load_model
+
+    target = load_model("qwen2.5-coder-1.5b-instruct", dtype="int8")
+    draft = load_model("qwen2.5-coder-0.5b-instruct", dtype="int8")
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = [o.token_ids for o in LLM(target, proposer="none").generate(CODE_PROMPTS, params)]
+    assert target.model._native is not None or not kernels.available()
+    for llm in (LLM(target, draft=draft, proposer="draft", k=4), LLM(target, proposer="ngram", k=6)):
+        assert [o.token_ids for o in llm.generate(CODE_PROMPTS, params)] == plain
 
 
 @pytest.mark.real
