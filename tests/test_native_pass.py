@@ -49,14 +49,14 @@ def advance(cache, slots, chunks):
 def test_native_pass_matches_torch_layers_on_a_static_cache(shape):
     model = int8_model(**SHAPES[shape])
     assert NativeDecoder.build(model) is not None
-    caches = {n: KVCache.for_model(model.config, 3, 64, torch.float32) for n in (True, False)}
-    prompts = [list(range(1, 21)), list(range(30, 52))]                       # > 17 tokens: torch prefill
+    caches = {n: KVCache.for_model(model.config, 3, 128, torch.float32) for n in (True, False)}
+    prompts = [list(range(1, 71)), list(range(20, 92))]                       # > 65 tokens: torch prefill
     for native, cache in caches.items():
         run(model, cache, [0, 2], prompts, native)
         advance(cache, [0, 2], prompts)
     for chunks in ([[5], [7]], [[1, 2, 3, 4, 5], [9, 8]], [[3], [4, 5, 6]]):   # decode, ragged verify passes
         out = {n: run(model, c, [0, 2], chunks, n) for n, c in caches.items()}
-        torch.testing.assert_close(out[True], out[False], rtol=1e-4, atol=1e-4 * out[False].abs().max().item())
+        torch.testing.assert_close(out[True], out[False], rtol=1e-3, atol=5e-4 * out[False].abs().max().item())
         for n, c in caches.items():
             advance(c, [0, 2], chunks)
     for store in ("k", "v"):                                                  # written at the same places
@@ -66,25 +66,26 @@ def test_native_pass_matches_torch_layers_on_a_static_cache(shape):
 
 
 def paged(model, tables):
-    return PagedKVCache(model.config, num_blocks=16, block_size=4, block_tables=tables, dtype=torch.float32)
+    return PagedKVCache(model.config, num_blocks=48, block_size=4, block_tables=tables, dtype=torch.float32)
 
 
 def test_native_pass_reads_and_writes_paged_blocks_in_place():
     model = int8_model()
-    tables = {7: [3, 9, 1, 5, 11, 13], 8: [2, 6, 10]}                           # scattered, out of order
+    order = torch.randperm(46, generator=torch.Generator().manual_seed(0)).add(1).tolist()   # scattered blocks
+    tables = {7: order[:19], 8: order[19:38]}
     caches = {n: paged(model, tables) for n in (True, False)}
-    prompts = [list(range(1, 19)), list(range(40, 46))]
+    prompts = [list(range(1, 70)), list(range(10, 76))]                        # torch prefill
     for native, cache in caches.items():
         for s, p in zip([7, 8], prompts):                                    # torch prefill, one sequence each
             run(model, cache, [s], [p], native)
             advance(cache, [s], [p])
     for chunks in ([[5], [7]], [[1, 2, 3], [9, 8, 7]]):
         out = {n: run(model, c, [7, 8], chunks, n) for n, c in caches.items()}
-        torch.testing.assert_close(out[True], out[False], rtol=1e-4, atol=1e-4 * out[False].abs().max().item())
+        torch.testing.assert_close(out[True], out[False], rtol=1e-3, atol=5e-4 * out[False].abs().max().item())
         for c in caches.values():
             advance(c, [7, 8], chunks)
     torch.testing.assert_close(caches[True].k, caches[False].k, rtol=1e-4, atol=1e-4)
-    for unused in (0, 4, 7, 8, 12, 14, 15):                                              # blocks in no table stay empty
+    for unused in [0, 47, *order[38:]]:                                      # blocks in no table stay empty
         assert caches[True].k[:, unused].abs().sum() == 0
 
 

@@ -53,3 +53,56 @@ def test_each_match_length_is_its_own_source_for_the_k_policy():
     proposal = p.propose([long_match, short_match, no_match], [2, 2, 2])
     assert proposal.tokens.tolist() == [[1, 7], [1, 4], [0, 0]] and proposal.num_draft.tolist() == [2, 2, 0]
     assert proposal.source == ["ngram:3", "ngram:1", "none"]
+
+
+def test_a_long_match_proposes_what_followed_its_longest_occurrence():
+    from verispec.proposers.ngram import lookup_match, match_source
+
+    # Docstring example of match_index.py: [1 2 3 4] matched (4 tokens), continuation [5, 0].
+    assert lookup_match([1, 2, 3, 4, 5, 0, 1, 2, 3, 4], k=2) == (4, [5, 0])
+    # Two earlier occurrences of [7 8 9]; the one preceded by more matching tokens wins, however old.
+    toks = [1, 2, 7, 8, 9, 50, 3, 7, 8, 9, 60, 1, 2, 7, 8, 9]
+    assert lookup_match(toks, k=3) == (5, [50, 3, 7])
+    assert [match_source(n) for n in (4, 7, 8, 15, 16, 300)] == \
+        ["ngram:4-7", "ngram:4-7", "ngram:8-15", "ngram:8-15", "ngram:16+", "ngram:16+"]
+
+
+def test_a_copied_file_is_proposed_as_far_as_it_goes():
+    """An answer re-emitting its prompt: after a few tokens of the copy the whole rest is proposed."""
+    from verispec.proposers.ngram import lookup_match
+
+    source = list(range(100, 180))
+    n, cont = lookup_match(source + [7] + source[:10], k=64)
+    assert n == 10 and cont == source[10:74]
+
+
+def test_the_index_grows_with_the_sequence_and_restarts_after_a_reset():
+    from verispec.proposers.match_index import MatchIndex
+
+    idx, toks = MatchIndex(), [3, 1, 4, 1, 5, 9, 2, 6, 1]
+    assert idx.find(toks, 2) == (1, [5, 9])                       # [1] seen twice, once each: the most recent
+    toks += [5, 3, 1, 4]
+    assert idx.find(toks, 3) == (3, [1, 5, 9])
+    assert idx.length == len(toks)
+    assert idx.find([2, 2], 1) == (1, [2]) and idx.length == 2    # a shorter list: indexed anew
+
+
+def test_lookup_cost_does_not_grow_with_the_context():
+    """32k tokens of repetitive code-like text: each round's lookup (index the new token, then find)
+    stays far below a millisecond."""
+    import random
+    import time
+
+    from verispec.proposers.match_index import MatchIndex
+
+    rng = random.Random(0)
+    lines = [[rng.randrange(50) for _ in range(12)] for _ in range(40)]
+    toks = [t for _ in range(70) for line in rng.sample(lines, 12) for t in line][:32768]
+    idx = MatchIndex()
+    idx.find(toks, 64)                                             # index the prompt once
+    t = time.perf_counter()
+    for i in range(200):
+        toks.append(rng.randrange(50))
+        idx.find(toks, 64)
+    per_round = (time.perf_counter() - t) / 200
+    assert per_round < 2e-3, per_round

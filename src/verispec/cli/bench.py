@@ -63,8 +63,8 @@ def run(args) -> int:
     if args.max_tokens < 1 or args.repeats < 1 or (args.limit is not None and args.limit < 1):
         raise VerispecError("--max-tokens, --repeats and --limit must be positive")
     ks = [k if k == "auto" else _ints(k)[0] for k in args.ks.split(",") if k]
-    if any(k != "auto" and not 1 <= k <= 16 for k in ks):
-        raise VerispecError("--ks values must be 'auto' or in 1 … 16")
+    if any(k != "auto" and not 1 <= k <= 64 for k in ks):
+        raise VerispecError("--ks values must be 'auto' or in 1 … 64")
     modes = parse_modes([m.strip() for m in args.modes.split(",") if m.strip()], ks)
     prompts = load_suite(args.prompts, args.limit)
     target = load_model(args.model, args.dtype, args.device, progress=True)

@@ -41,7 +41,7 @@ def add_model_args(p) -> None:
     p.add_argument("--corpus", action="append", default=None, metavar="PATH",
                    help="text files or directories for --proposer retrieval (repeatable)")
     p.add_argument("--k", type=parse_k, default="auto",
-                   help="draft tokens per round: an integer 0 … 16, or 'auto' (default) to choose per "
+                   help="draft tokens per round: an integer 0 … 64, or 'auto' (default) to choose per "
                         "sequence and round from measured costs and acceptance, 0 included")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8", "int4"],
                    help="weights: auto (default: int8 on CPU, bfloat16 on GPU), float32 (reference), "

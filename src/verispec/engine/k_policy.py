@@ -29,14 +29,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from verispec.models.transformer import ROW_EXACT_MAX_T
+
 EMA = 0.2                 # weight of a new measurement (costs; acceptance once past its prior)
 RATIO_EMA = 0.1           # weight of a new measurement of a pass width's cost relative to a 1-token pass
 PRIOR_WEIGHT = 2.0        # a sequence's acceptance prior counts as this many observations (see update)
 PRIOR_SLOPE = 0.35        # unmeasured c_p(n) ≈ c_p(m) + slope · c_p(1) · (n − m)
 # Acceptance before anything is measured, by source; prompt lookup by match length (ngram.py): the
 # first-token rates measured on the bundled suite, greedy — 0.21 / 0.50 / 0.70 after 1 / 2 / 3+ tokens.
+# Longer matches (copied text) start higher; each bucket then learns its own rate.
 PRIOR_RATE = {"draft": 0.7, "ngram": 0.5}
-LOOKUP_PRIOR_RATE = (0.2, 0.5, 0.7)      # sources "ngram:1", "ngram:2", "ngram:3" and longer
+LOOKUP_PRIOR_RATE = {"1": 0.2, "2": 0.5, "3": 0.7, "4-7": 0.75, "8-15": 0.8, "16+": 0.85}   # "ngram:<bucket>"
+K_MAX = ROW_EXACT_MAX_T - 1   # the widest lookahead: a verify pass must stay row-exact (a long copied match)
 PROBE_EVERY = 16          # after this many K = 0 rounds, try K = 1 once to refresh the estimate …
 PROBE_MAX = 256           # … doubling the wait after each probe that did not revive speculation
 SHARED_EMA = 0.05         # weight of one sequence's round in the shared (cross-sequence) prior
@@ -55,20 +59,27 @@ MARGIN = 0.05
 
 
 def prior_rate(source: str) -> float:
-    """A match-length source ('ngram:2') from LOOKUP_PRIOR_RATE, any other from PRIOR_RATE (else 0.5)."""
-    name, _, n = source.partition(":")
-    if n.isdigit():
-        return LOOKUP_PRIOR_RATE[min(int(n), len(LOOKUP_PRIOR_RATE)) - 1]
+    """A match-length source ('ngram:2', 'ngram:8-15') from LOOKUP_PRIOR_RATE, any other from
+    PRIOR_RATE (else 0.5)."""
+    name, _, bucket = source.partition(":")
+    if bucket in LOOKUP_PRIOR_RATE:
+        return LOOKUP_PRIOR_RATE[bucket]
     return PRIOR_RATE.get(name, 0.5)
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
     """E(K) = 1 + Σ_{j=1..K} Π_{i<j} rates[i]."""
-    e, prod = 1.0, 1.0
-    for i in range(k):
+    return cumulative_expected(rates, k)[k]
+
+
+def cumulative_expected(rates: list[float], k_max: int) -> list[float]:
+    """[E(0), E(1), …, E(k_max)] in one pass (k_max ≤ len(rates))."""
+    out, e, prod = [1.0], 1.0, 1.0
+    for i in range(k_max):
         prod *= rates[i]
         e += prod
-    return e
+        out.append(e)
+    return out
 
 
 def choose_k(rates: list[float], c_p, c_q: float, k_max: int) -> int:
@@ -76,8 +87,9 @@ def choose_k(rates: list[float], c_p, c_q: float, k_max: int) -> int:
     must beat plain decoding (K = 0) by MARGIN."""
     plain = 1.0 / c_p(1)
     best_k, best = 0, plain * (1 + MARGIN)
-    for k in range(1, min(k_max, len(rates)) + 1):
-        value = expected_tokens(rates, k) / (k * c_q + c_p(k + 1))
+    top = min(k_max, len(rates))
+    for k, e in enumerate(cumulative_expected(rates, top)[1:], start=1):
+        value = e / (k * c_q + c_p(k + 1))
         if value > best * (1 + 1e-9):
             best_k, best = k, value
     return best_k
@@ -233,7 +245,7 @@ class AcceptanceEstimate:
 class KPolicy:
     """K per sequence per round: fixed, or `auto` from costs and acceptance."""
 
-    def __init__(self, k: int | str, k_max: int = 8):
+    def __init__(self, k: int | str, k_max: int = K_MAX):
         self.auto = k == "auto"
         self.k_fixed = 0 if self.auto else int(k)
         self.k_max = k_max if self.auto else int(k)
@@ -307,9 +319,10 @@ class KPolicy:
         ests = [self._estimate(seqs[i].slot, sources[i], seqs[i].params.greedy) for i in joint]
         c_q = max(self.costs.c_q(sources[i]) for i in joint)
         best_k, best = 0, len(joint) / self.costs.c_p(1, batch) * (1 + MARGIN)
+        caps = [min(self.k_max, max(0, remaining[i] - 1)) for i in joint]
+        tables = [cumulative_expected(e.rates, cap) for e, cap in zip(ests, caps)]    # E(0 … cap) per sequence
         for k in range(1, self.k_max + 1):
-            value = sum(expected_tokens(e.rates, min(k, max(0, remaining[i] - 1)))
-                        for e, i in zip(ests, joint)) / (k * c_q + self.costs.c_p(k + 1, batch))
+            value = sum(t[min(k, cap)] for t, cap in zip(tables, caps)) / (k * c_q + self.costs.c_p(k + 1, batch))
             if value > best * (1 + 1e-9):
                 best_k, best = k, value
         catchup = sum(backlogs[i] * self.costs.c_catchup(sources[i]) for i in joint)

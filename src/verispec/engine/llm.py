@@ -9,7 +9,7 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from verispec.engine.k_policy import KPolicy
+from verispec.engine.k_policy import K_MAX, KPolicy
 from verispec.engine.metrics import SpecMetrics
 from verispec.engine.params import SamplingParams
 from verispec.engine.runner import ModelRunner
@@ -59,14 +59,14 @@ class LLM:
 
     def __init__(self, model: str | Transformer = DEFAULT_TARGET, draft: str | Transformer | None = None, proposer: str | None = None,
                  k: int | str = "auto", dtype: str = "auto", device: str = "cpu", max_batch: int = 32,
-                 progress: bool = False, ngram_n: tuple[int, int] = (3, 1), k_max: int = 8,
+                 progress: bool = False, ngram_n: tuple[int, int] = (3, 1), k_max: int = K_MAX,
                  corpus: Seq[str | os.PathLike] | Seq[list[int]] | None = None):
         if proposer is not None and proposer not in REGISTRY:
             raise VerispecError(f"unknown proposer {proposer!r}; choose one of {', '.join(sorted(REGISTRY))}")
-        if k != "auto" and (not isinstance(k, int) or not 0 <= k <= 16):
-            raise VerispecError(f"k must be 'auto' or an integer in 0 … 16, got {k!r}")
-        if not isinstance(k_max, int) or not 1 <= k_max <= 16:
-            raise VerispecError(f"k_max must be an integer in 1 … 16, got {k_max!r}")
+        if k != "auto" and (not isinstance(k, int) or not 0 <= k <= K_MAX):
+            raise VerispecError(f"k must be 'auto' or an integer in 0 … {K_MAX}, got {k!r}")
+        if not isinstance(k_max, int) or not 1 <= k_max <= K_MAX:
+            raise VerispecError(f"k_max must be an integer in 1 … {K_MAX}, got {k_max!r}")
         if max_batch < 1:
             raise VerispecError(f"max_batch must be >= 1, got {max_batch}")
         self.target: LoadedModel = _load(model, dtype, device, progress)
@@ -105,7 +105,7 @@ class LLM:
         if self.proposer_name == "hybrid":
             return factory(self.draft.model, self.target.config.vocab_size, *self._ngram_n, k_max=self.policy.k_max)
         if self.proposer_name == "ngram":
-            return factory(*self._ngram_n)
+            return factory(*self._ngram_n, k_max=self.policy.k_max)
         if self.proposer_name == "retrieval":
             return factory(self.corpus_index)
         return factory()

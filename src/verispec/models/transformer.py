@@ -19,8 +19,9 @@ from verispec.models.kv_cache import CacheView
 from verispec.models.native import NativeDecoder
 
 
-# Passes of at most this many tokens per row (decode, verify with K <= 16) attend row by row.
-ROW_EXACT_MAX_T = 17
+# Passes of at most this many tokens per row (decode, and verify with K <= 64 drafts) attend row by
+# row — and, for int8 models on the CPU, run in the native decoder pass.
+ROW_EXACT_MAX_T = 65
 
 
 class RMSNorm(nn.Module):

@@ -11,24 +11,18 @@ import torch
 from verispec.models import Transformer
 from verispec.proposers.base import Proposal, Proposer, register
 from verispec.proposers.draft import DraftModelProposer
-from verispec.proposers.ngram import lookup_match, match_source
+from verispec.proposers.ngram import Lookups, match_source
 
 
 @register("hybrid")
 class HybridProposer(Proposer):
-    def __init__(self, draft: Transformer, target_vocab: int, n_max: int = 3, n_min: int = 1, k_max: int = 16):
+    def __init__(self, draft: Transformer, target_vocab: int, n_max: int = 3, n_min: int = 1, k_max: int = 64):
         self.draft = DraftModelProposer(draft, target_vocab)
         self.target_vocab = target_vocab
-        self.n_max, self.n_min, self.k_max = n_max, n_min, k_max
-        self._lookups: dict[int, tuple[int, int, list[int]]] = {}   # slot -> (tokens seen, match length, continuation)
+        self.lookups = Lookups(n_max, n_min, k_max)
 
     def _lookup(self, seq) -> tuple[int, list[int]]:
-        key = len(seq.tokens)
-        cached = self._lookups.get(seq.slot)
-        if cached is None or cached[0] != key:
-            cached = (key, *lookup_match(seq.tokens, self.k_max, self.n_max, self.n_min))
-            self._lookups[seq.slot] = cached
-        return cached[1], cached[2]
+        return self.lookups.find(seq)
 
     def source_for(self, seq) -> str:
         """'ngram:<match length>' when the suffix has a match (see ngram.py), else 'draft'."""
@@ -75,9 +69,8 @@ class HybridProposer(Proposer):
 
     def release(self, slots):
         self.draft.release(slots)
-        for slot in slots:
-            self._lookups.pop(slot, None)
+        self.lookups.release(slots)
 
     def reset(self):
         self.draft.reset()
-        self._lookups.clear()
+        self.lookups.reset()

@@ -1,99 +1,103 @@
-"""`ngram`: prompt lookup. Match the last n tokens (n from n_max down to n_min) against the earlier
-text (prompt + generated) and propose what followed. No probabilities: a point-mass proposal.
-
-Worked example (n_max=3, n_min=1, K=2): tokens = [5 6 7 | 9 6 7 8 | 6 7]
-  n=3: suffix [8 6 7] never occurred before -> try n=2: suffix [6 7] occurred at 1 and 4,
-  followed by [9 6] and [8 6]; several matches -> the most frequent continuation, ties broken
-  by the most recent occurrence: [8 6] (from position 4). Proposal: [8, 6].
+"""`ngram`: prompt lookup. Find the longest earlier occurrence of the current suffix in the text so
+far (prompt + generated) and propose what followed it — a point-mass proposal, no probabilities.
+`MatchIndex` (match_index.py) keeps that search incremental and bounded: a 4-token-or-longer match
+proposes the continuation of its longest occurrence, as far as the earlier text goes (up to K, which
+`auto` may take to 64 when an answer copies its input); a 1–3-token match proposes the most frequent
+continuation among recent occurrences.
 
 The length of the matched suffix predicts acceptance: on the bundled suite (greedy, the 1.5B's own
 continuations) the first proposed token was right 21 % of the time after a 1-token match, 50 %
-after 2 and 70 % after 3. So each match length is its own source for the K policy ("ngram:1",
-"ngram:2", …; "none" when nothing matches): it learns, say, that 1-token matches in prose do
-not pay for a wider verify pass while 3-token matches in an edit do.
+after 2 and 70 % after 3, and long matches inside copied text are right nearly always. So each
+match-length bucket — 1, 2, 3, 4–7, 8–15, 16+ tokens — is its own source for the K policy
+("ngram:1" … "ngram:16+"; "none" when nothing matches), with its own acceptance estimate.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 import torch
 
 from verispec.proposers.base import Proposal, Proposer, register
+from verispec.proposers.match_index import MatchIndex
 
-
-def lookup(tokens: list[int], k: int, n_max: int = 3, n_min: int = 1) -> list[int]:
-    """Continuation of the longest suffix match (n_max … n_min) in `tokens`, at most k tokens."""
-    if k <= 0:
-        return []
-    return lookup_match(tokens, k, n_max, n_min)[1]
+BUCKETS = ((16, "16+"), (8, "8-15"), (4, "4-7"), (3, "3"), (2, "2"), (1, "1"))   # (shortest match, label)
 
 
 def match_source(n: int) -> str:
     """The K policy's source for a match of n tokens ('none': nothing to propose)."""
-    return f"ngram:{n}" if n else "none"
+    for shortest, label in BUCKETS:
+        if n >= shortest:
+            return f"ngram:{label}"
+    return "none"
 
 
 def lookup_match(tokens: list[int], k: int, n_max: int = 3, n_min: int = 1) -> tuple[int, list[int]]:
-    """(n, continuation): the length of the longest suffix that occurred before (0 if none) and the
-    continuation `lookup` proposes after it (at most k tokens)."""
-    length = len(tokens)
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = tokens[length - n:]
-        continuations: Counter[tuple[int, ...]] = Counter()
-        latest: dict[tuple[int, ...], int] = {}
-        first = suffix[0]
-        for start in range(length - n):           # occurrences strictly before the suffix itself
-            if tokens[start] != first or tokens[start:start + n] != suffix:
-                continue
-            cont = tuple(tokens[start + n: start + n + k])
-            if cont:
-                continuations[cont] += 1
-                latest[cont] = start
-        if continuations:
-            best = max(continuations, key=lambda c: (continuations[c], latest[c]))
-            return n, list(best)
-    return 0, []
+    """(match length, continuation of at most k tokens) for tokens' current end, from a fresh index
+    (n_max: the n-gram order indexed, n_min: shorter matches count as none)."""
+    n, cont = MatchIndex(n_max).find(tokens, k)
+    return (n, cont) if n >= n_min and cont else (0, [])
+
+
+def lookup(tokens: list[int], k: int, n_max: int = 3, n_min: int = 1) -> list[int]:
+    """The continuation lookup_match proposes (at most k tokens)."""
+    return lookup_match(tokens, k, n_max, n_min)[1] if k > 0 else []
+
+
+class Lookups:
+    """Per sequence: its MatchIndex, extended as tokens are committed, and the latest answer (a round
+    asks for the source first, then for the proposal)."""
+
+    def __init__(self, n_max: int = 3, n_min: int = 1, k_max: int = 64):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        self.n_max, self.n_min, self.k_max = n_max, n_min, k_max
+        self._index: dict[int, MatchIndex] = {}
+        self._answer: dict[int, tuple[int, int, list[int]]] = {}   # slot -> (tokens seen, n, continuation)
+
+    def find(self, seq) -> tuple[int, list[int]]:
+        """(match length, continuation up to k_max tokens) after seq.tokens; (0, []) without a match."""
+        key = len(seq.tokens)
+        cached = self._answer.get(seq.slot)
+        if cached is None or cached[0] != key:
+            index = self._index.setdefault(seq.slot, MatchIndex(self.n_max))
+            n, cont = index.find(seq.tokens, self.k_max)
+            cached = self._answer[seq.slot] = (key, *((n, cont) if n >= self.n_min and cont else (0, [])))
+        return cached[1], cached[2]
+
+    def release(self, slots) -> None:
+        for slot in slots:
+            self._index.pop(slot, None)
+            self._answer.pop(slot, None)
+
+    def reset(self) -> None:
+        self._index.clear()
+        self._answer.clear()
 
 
 @register("ngram")
 class NgramProposer(Proposer):
-    def __init__(self, n_max: int = 3, n_min: int = 1):
-        if not 1 <= n_min <= n_max:
-            raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
-        self.n_max, self.n_min = n_max, n_min
-        self._matched: dict[int, tuple[int, int]] = {}     # slot -> (tokens seen, match length)
-
-    def _match_length(self, seq) -> int:
-        key = len(seq.tokens)
-        cached = self._matched.get(seq.slot)
-        if cached is None or cached[0] != key:
-            cached = self._matched[seq.slot] = (key, lookup_match(seq.tokens, 1, self.n_max, self.n_min)[0])
-        return cached[1]
+    def __init__(self, n_max: int = 3, n_min: int = 1, k_max: int = 64):
+        self.lookups = Lookups(n_max, n_min, k_max)
 
     def source_for(self, seq) -> str:
-        return match_source(self._match_length(seq))
+        return match_source(self.lookups.find(seq)[0])
 
     def propose(self, seqs, ks):
         t0 = time.perf_counter()
-        # The longest match is already known (source_for): search only that length again.
-        found = []
-        for s, k in zip(seqs, ks):
-            n = self._match_length(s) if k > 0 else 0
-            found.append(lookup_match(s.tokens, k, n, n) if n else (0, []))
+        found = [self.lookups.find(s) if k > 0 else (0, []) for s, k in zip(seqs, ks)]
+        found = [(n, cont[:k]) for (n, cont), k in zip(found, ks)]
         k_max = max((len(d) for _, d in found), default=0)
         tokens = torch.zeros(len(seqs), k_max, dtype=torch.long)
         for i, (_, d) in enumerate(found):
             tokens[i, : len(d)] = torch.tensor(d, dtype=torch.long)
-        sources = [match_source(n) for n, _ in found]
+        sources = [match_source(n) if d else "none" for n, d in found]
         seconds = time.perf_counter() - t0
         steps = {src: (1, seconds) for src in set(sources) if src != "none"}
         return Proposal(tokens, torch.tensor([len(d) for _, d in found]), None, sources, steps)
 
     def release(self, slots):
-        for slot in slots:
-            self._matched.pop(slot, None)
+        self.lookups.release(slots)
 
     def reset(self):
-        self._matched.clear()
+        self.lookups.reset()

@@ -94,7 +94,7 @@ class ServingEngine:
                 raise InvalidRequest(f"this model's context is {self.context_length} tokens, but the prompt "
                                      f"({len(ids)}) + max_tokens ({params.max_tokens}) asks for {total}",
                                      param="max_tokens", code="context_length_exceeded")
-            if not self.scheduler.fits_ever(total + self.policy.k_max + 1):
+            if not self.scheduler.fits_ever(total + 1):      # K falls to 0 when blocks run short
                 raise InvalidRequest(f"prompt + max_tokens ({total} tokens) does not fit the KV cache "
                                      f"({self.pool.usable * self.pool.block_size} tokens); start the server "
                                      "with a larger --kv-cache-mb", param="max_tokens",
