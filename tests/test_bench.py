@@ -163,7 +163,7 @@ def test_accounted_speedup_prices_each_round_by_its_width():
 
 
 def test_pass_costs_between_and_beyond_the_measured_widths_are_interpolated():
-    from verispec.bench.costs import c_p_at
+    from verispec.engine.calibrate import c_p_at
 
     c_p = {1: 1.0, 3: 2.0, 5: 4.0}
     assert c_p_at(c_p, 3) == 2.0

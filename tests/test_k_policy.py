@@ -270,3 +270,39 @@ def test_speculation_must_beat_plain_decoding_by_the_margin():
     breakeven = 0.2                                           # (1 + a) / 1.2 = 1  <=>  a = 0.2
     assert choose_k([breakeven + 0.02] * 8, c_p, c_q=0.0, k_max=1) == 0          # +1.7 %: not worth it
     assert choose_k([(1 + 2 * MARGIN) * 1.2 - 1] * 8, c_p, c_q=0.0, k_max=1) == 1  # +10 %: speculate
+
+
+def test_calibrated_widths_are_interpolated_and_let_a_long_match_draft_far():
+    """Seeded with calibrated ratios, widths between measured ones are interpolated; a lookup source
+    that is nearly always right then drafts far beyond the widths ever run in this process — and
+    without the calibration the prior slope alone would keep it at a few tokens."""
+    c = CostModel()
+    c.seed({2: 1.1, 3: 1.2, 5: 1.4, 9: 1.8, 17: 2.6, 33: 4.2, 65: 7.4})
+    c.record_verify(1, 0.05)
+    assert c.c_p(5) == pytest.approx(0.07)
+    assert c.c_p(13) == pytest.approx(0.05 * 2.2)                    # half-way between 9 and 17
+    assert c.c_p(80) > c.c_p(65)                                     # beyond: the prior slope
+    seeded, unseeded = KPolicy("auto"), KPolicy("auto")
+    seeded.costs = c
+    unseeded.costs.record_verify(1, 0.05)
+    unseeded.costs.record_verify(2, 0.055)
+    for p in (seeded, unseeded):
+        p.shared[("ngram:16+", "greedy")] = [0.97] * p.k_max
+    assert seeded.choose(0, "ngram:16+", remaining=200) >= 16
+    assert unseeded.choose(0, "ngram:16+", remaining=200) <= 8
+
+
+def test_width_ratios_are_measured_once_and_then_read_back(tmp_path, monkeypatch):
+    from conftest import tiny_model
+    from verispec.engine import calibrate
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    model = tiny_model(0)
+    first = calibrate.width_ratios(model, "tiny", widths=(2, 4), repeats=1)
+    assert set(first) == {2, 4} and all(r > 0 for r in first.values())
+    monkeypatch.setattr(calibrate, "pass_costs", lambda *a, **k: pytest.fail("measured twice"))
+    assert calibrate.width_ratios(model, "tiny", widths=(2, 4)) == first
+    (tmp_path / "calibration.json").write_text("{not json")        # a corrupt file is measured again
+    monkeypatch.undo()
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    assert set(calibrate.width_ratios(model, "tiny", widths=(2, 4), repeats=1)) == {2, 4}

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.bench.costs import accounted_speedup, pass_cost, pass_costs, predicted_speedup
+from verispec.bench.costs import accounted_speedup, predicted_speedup
+from verispec.engine.calibrate import pass_cost, pass_costs
 from verispec.bench.suites import BenchPrompt
 from verispec.engine.llm import LLM
 from verispec.engine.params import SamplingParams

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from verispec.engine.llm import DEFAULT_CONTEXT
 from verispec.errors import InvalidRequest
 from verispec.loaders.builtin import DEFAULT_TARGET
 from verispec.proposers import REGISTRY
@@ -15,16 +16,32 @@ def add_parser(sub) -> None:
                                    "instruct models get their chat template unless --raw.")
     p.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
     add_model_args(p)
-    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    add_sampling_args(p)
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(run=run)
+
+
+def add_sampling_args(p) -> None:
+    """Sampling flags shared by `generate` and `chat`."""
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"most tokens to generate (default: until the model stops, within a {DEFAULT_CONTEXT}-token "
+                        "context)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    p.add_argument("--system", default=None, help="system message for the chat template")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.set_defaults(run=run)
+
+
+def sampling_params(args, max_tokens: int):
+    """SamplingParams from the shared flags; max_tokens when --max-tokens was not given."""
+    from verispec import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          max_tokens=max_tokens if args.max_tokens is None else args.max_tokens, seed=args.seed,
+                          stop=args.stop)
 
 
 def add_model_args(p) -> None:
@@ -70,18 +87,17 @@ def build_llm(args):
 
 
 def run(args) -> int:
-    from verispec import SamplingParams
     from verispec.cli.main import print_json
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise InvalidRequest("empty prompt: pass it as an argument or on stdin")
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop)
+    sampling_params(args, 1)                        # bad flags fail before the model loads
     llm = build_llm(args)
     if not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt = llm.chat_prompt(messages + [{"role": "user", "content": prompt}])
+    params = sampling_params(args, llm.default_max_tokens(prompt))
 
     def stream(seq) -> None:
         delta = seq.take_stream_delta()

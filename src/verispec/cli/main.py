@@ -1,4 +1,4 @@
-"""`verispec` command line: generate, serve, models, bench, verify, profile, loadtest."""
+"""`verispec` command line: generate, chat, serve, models, bench, verify, profile, loadtest."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from verispec.errors import VerispecError
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verispec.cli import bench, generate, loadtest, models, profile, serve, verify
+    from verispec.cli import bench, chat, generate, loadtest, models, profile, serve, verify
 
     parser = argparse.ArgumentParser(
         prog="verispec",
@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     generate.add_parser(sub)
+    chat.add_parser(sub)
     serve.add_parser(sub)
     loadtest.add_parser(sub)
     models.add_parser(sub)

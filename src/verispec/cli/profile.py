@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from verispec.bench.costs import pass_cost, pass_costs, predicted_speedup
+    from verispec.bench.costs import predicted_speedup
+    from verispec.engine.calibrate import pass_cost, pass_costs
     from verispec.bench.run import machine_line
     from verispec.kernels import machine
     from verispec.loaders.builtin import DEFAULT_DRAFT

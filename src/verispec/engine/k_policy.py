@@ -169,17 +169,29 @@ class CostModel:
     def c_catchup(self, source: str) -> float:
         return self.catchup.get(source, CATCHUP_PRIOR * self.c_q(source))
 
+    def seed(self, ratios: dict[int, float], batch: int = 1) -> None:
+        """Start from calibrated ratios c_p(n) / c_p(1) (engine/calibrate.py); passes refine them."""
+        bucket = batch_bucket(batch)
+        for n, r in ratios.items():
+            if n > 1:
+                self.ratio[(bucket, n)] = r
+
     def _ratio(self, bucket: int, n: int) -> float:
-        """c_p(n) / c_p(1): measured, or extrapolated from the widest measured width below n with a
-        prior slope (optimistic enough that an unmeasured width gets tried once)."""
+        """c_p(n) / c_p(1): measured; linear between the nearest measured widths around n; beyond the
+        widest, extended from it with a prior slope (optimistic enough that an unmeasured width gets
+        tried once)."""
         if n == 1:
             return 1.0
         if (bucket, n) in self.ratio:
             return self.ratio[(bucket, n)]
+        widths = [w for b, w in self.ratio if b == bucket]
+        lo = max((w for w in widths if w < n), default=1)
+        hi = min((w for w in widths if w > n), default=None)
+        if hi is not None:
+            r_lo, r_hi = self._ratio(bucket, lo), self.ratio[(bucket, hi)]
+            return r_lo + (r_hi - r_lo) * (n - lo) / (hi - lo)
         slope = min(1.0, PRIOR_SLOPE * bucket)          # wider batches turn compute-bound sooner
-        below = [w for b, w in self.ratio if b == bucket and w < n]
-        m = max(below, default=1)
-        return self._ratio(bucket, m) + slope * (n - m)
+        return self._ratio(bucket, lo) + slope * (n - lo)
 
     def c_p(self, n: int, batch: int = 1) -> float:
         bucket = batch_bucket(batch)

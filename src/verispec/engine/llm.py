@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
 
 import torch
@@ -23,6 +24,34 @@ from verispec.proposers import REGISTRY, Proposer
 
 Prompt = str | list[int]
 NEEDS_DRAFT = ("draft", "hybrid")
+# The context an open-ended answer (`default_max_tokens`) and a conversation (`Session`) may fill
+# when the model allows more, as llama.cpp's and Ollama's defaults do: a 32k-token static cache
+# of the 1.5B would take 1.9 GB.
+DEFAULT_CONTEXT = 4096
+
+
+@dataclass
+class Session:
+    """A conversation's target cache kept from one `generate` call to the next: the next prompt's
+    longest common prefix with what the cache holds is not prefilled again (a chat's history is the
+    prefix of its next turn). One sequence at a time; `cached` are the tokens whose keys and values
+    the cache holds, in order."""
+
+    context: int = DEFAULT_CONTEXT
+    runner: ModelRunner | None = None
+    cached: list[int] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.cached = []
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass
@@ -38,12 +67,13 @@ class RequestOutput:
     decode_s: float           # first token → last token
     tokens_per_s: float | None  # (generated_tokens − 1) / decode_s
     spec: dict
+    cached_tokens: int = 0    # prompt tokens whose keys and values a Session already held (not prefilled)
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated_tokens, "finish_reason": self.finish_reason,
                 "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
-                "tokens_per_s": self.tokens_per_s, "spec": self.spec}
+                "tokens_per_s": self.tokens_per_s, "cached_tokens": self.cached_tokens, "spec": self.spec}
 
 
 class LLM:
@@ -81,9 +111,22 @@ class LLM:
         self.corpus_index = self._build_index(corpus) if proposer == "retrieval" else None
         self.k = k if proposer != "none" else 0
         self.policy = KPolicy(self.k, k_max)
+        if self.k == "auto" and self.target.name != "in-memory":
+            self.policy.costs.seed(self._width_ratios(self.target, progress))
         self.max_batch = max_batch
         self._ngram_n = ngram_n
         self.context_length = self.target.config.max_position_embeddings
+
+    @staticmethod
+    def _width_ratios(target: LoadedModel, progress: bool) -> dict[int, float]:
+        """This machine's c_p(n) / c_p(1) for the target (measured once, then read from the cache)."""
+        from verispec.engine.calibrate import width_ratios
+
+        linear = type(target.model.model.layers[0].mlp.down_proj).__name__
+        say = (lambda r, total: print(f"\rmeasuring pass widths for the K policy (once per machine): "
+                                      f"{r}/{total}", end="\n" if r == total else "", file=sys.stderr,
+                                      flush=True)) if progress else None
+        return width_ratios(target.model, f"{target.name}|{target.model.dtype}|{linear}", on_round=say)
 
     # -- proposers ------------------------------------------------------------------------
     def _build_index(self, corpus) -> "CorpusIndex":
@@ -131,27 +174,67 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages)
 
     # -- generation -----------------------------------------------------------------------
+    def default_max_tokens(self, prompt: Prompt, context: int = DEFAULT_CONTEXT) -> int:
+        """Room left for an answer that runs until the model stops: the context (the model's, at most
+        `context`) minus the prompt; at least 1."""
+        return max(1, min(self.context_length, context) - len(self.encode(prompt)))
+
+    def session(self, context: int = DEFAULT_CONTEXT) -> Session:
+        """A conversation whose turns reuse the cached prefix (see Session)."""
+        return Session(min(context, self.context_length))
+
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None,
-                 on_update: Callable[[Sequence], None] | None = None) -> list[RequestOutput]:
+                 on_update: Callable[[Sequence], None] | None = None,
+                 session: Session | None = None) -> list[RequestOutput]:
         """Generate for every prompt (and n samples each) together; outputs in prompt order.
 
         on_update(seq) is called after every round for each sequence that changed (for streaming).
+        session: keep the target's cache for the next call (one prompt, n = 1).
         """
         params = params or SamplingParams()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         encoded = [self.encode(p) for p in prompts]
+        limit = self.context_length if session is None else session.context
         for ids in encoded:
-            if len(ids) + params.max_tokens > self.context_length:
+            if len(ids) + params.max_tokens > limit:
                 raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                                     f"the model's context of {self.context_length} tokens")
+                                     f"the {'model' if session is None else 'conversation'}'s context of "
+                                     f"{limit} tokens")
         jobs = [(i, ids, j) for i, ids in enumerate(encoded) for j in range(params.n)]
+        if session is not None and len(jobs) != 1:
+            raise InvalidRequest("a session generates one sequence at a time (one prompt, n = 1)")
         outputs: list[RequestOutput] = []
         for start in range(0, len(jobs), self.max_batch):
-            outputs += self._run_batch(jobs[start:start + self.max_batch], params, on_update)
+            outputs += self._run_batch(jobs[start:start + self.max_batch], params, on_update, session)
         return outputs
 
-    def _run_batch(self, jobs, params: SamplingParams, on_update) -> list[RequestOutput]:
+    def _prefill(self, seqs: list[Sequence], max_len: int, session: Session | None) -> tuple[ModelRunner, int]:
+        """The target runner with every sequence's prompt cached (but its last token), and how many
+        prompt tokens a session already held."""
+        if session is not None:
+            if session.runner is None:
+                margin = 2 * (self.policy.k_max + 1) + 1
+                session.runner = ModelRunner(self.target.model, 1, session.context + margin)
+            seq, runner = seqs[0], session.runner
+            reused = common_prefix(session.cached, seq.tokens[:-1])
+            session.cached = session.cached[:reused]
+            runner.cache.set_length(seq.slot, reused)
+            runner.extend([seq.slot], [seq.tokens])
+            return runner, reused
+        target = ModelRunner(self.target.model, len(seqs), max_len)
+        # Samples of one prompt (n > 1, verify's thousands) share its prefill: compute it once, copy the cache.
+        leaders: dict[tuple[int, ...], Sequence] = {}
+        for s in seqs:
+            leaders.setdefault(tuple(s.tokens), s)
+        target.prefill([s.slot for s in leaders.values()], [s.tokens for s in leaders.values()])
+        for s in seqs:
+            lead = leaders[tuple(s.tokens)]
+            if lead is not s:
+                target.cache.copy_prefix(lead.slot, s.slot, target.length(lead.slot))
+        return target, 0
+
+    def _run_batch(self, jobs, params: SamplingParams, on_update, session: Session | None = None) -> list[RequestOutput]:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos and self.tokenizer is not None:
             stop_ids |= set(self.tokenizer.stop_token_ids)
@@ -164,36 +247,33 @@ class LLM:
         max_len = min(max(len(s.prompt_ids) for s in seqs) + params.max_tokens + margin,
                       self.context_length + margin)
         t_start = time.perf_counter()
-        target = ModelRunner(self.target.model, len(seqs), max_len)
+        target, reused = self._prefill(seqs, max_len, session)
         proposer = self.make_proposer()
-        # Samples of one prompt (n > 1, verify's thousands) share its prefill: compute it once, copy the cache.
-        leaders: dict[tuple[int, ...], Sequence] = {}
-        for s in seqs:
-            leaders.setdefault(tuple(s.tokens), s)
-        target.prefill([s.slot for s in leaders.values()], [s.tokens for s in leaders.values()])
-        for s in seqs:
-            lead = leaders[tuple(s.tokens)]
-            if lead is not s:
-                target.cache.copy_prefix(lead.slot, s.slot, target.length(lead.slot))
         proposer.start(ModelRunner.static(len(seqs), max_len))
         first_token_at: dict[int, float] = {}
         active = list(seqs)
         self.policy.forget()
-        while active:
-            sources = [proposer.source_for(s) for s in active]
-            ks = self.policy.choose_round(active, sources, backlogs=[proposer.backlog(s) for s in active])
-            report = speculative_round(active, target, proposer, ks)
-            self.learn(active, report)
-            now = time.perf_counter()
-            for s in active:
-                if s.generated or s.finished:
-                    first_token_at.setdefault(s.slot, now)
-                if on_update:
-                    on_update(s)
-            active = [s for s in active if not s.finished]
+        try:
+            while active:
+                sources = [proposer.source_for(s) for s in active]
+                ks = self.policy.choose_round(active, sources, backlogs=[proposer.backlog(s) for s in active])
+                report = speculative_round(active, target, proposer, ks)
+                self.learn(active, report)
+                now = time.perf_counter()
+                for s in active:
+                    if s.generated or s.finished:
+                        first_token_at.setdefault(s.slot, now)
+                    if on_update:
+                        on_update(s)
+                active = [s for s in active if not s.finished]
+        finally:                                   # also when interrupted: the cache's committed prefix stays usable
+            if session is not None:
+                session.cached = seqs[0].tokens[:target.length(seqs[0].slot)]
+            proposer.reset()
         t_end = time.perf_counter()
-        proposer.reset()
-        return [self._output(s, t_start, first_token_at.get(s.slot, t_end), t_end) for s in seqs]
+        outputs = [self._output(s, t_start, first_token_at.get(s.slot, t_end), t_end) for s in seqs]
+        outputs[0].cached_tokens = reused
+        return outputs
 
     def learn(self, seqs: list[Sequence], report) -> None:
         """Feed measured costs and acceptance into the K policy (used by k="auto")."""

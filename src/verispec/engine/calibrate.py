@@ -1,0 +1,103 @@
+"""What one target pass over n new tokens costs on this machine, relative to a 1-token pass.
+
+`pass_costs` times passes of several widths round-robin (every round times each width once, so a
+slow spell of a shared machine falls on all widths alike). `width_ratios` turns that into the
+ratios c_p(n) / c_p(1) that the K policy prices rounds with, measured once per machine, model, format,
+kernel build and thread count (a few seconds) and kept in `$VERISPEC_CACHE/calibration.json`: without
+them `auto` would only know the widths it has already tried, and would never try the 20- or 40-token
+drafts that a long copied match makes worthwhile. The policy keeps refining them on the fly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from verispec.models import KVCache, Transformer
+
+# Widths measured once (sparse; the policy interpolates between them): K + 1 for K up to 64.
+CALIBRATION_WIDTHS = (2, 3, 4, 5, 6, 8, 12, 17, 24, 33, 48, 65)
+
+
+def pass_costs(model: Transformer, widths: list[int], context: int = 128, repeats: int = 5,
+                on_round=None) -> dict[int, float]:
+    """Median seconds of one forward pass over n new tokens after `context` cached tokens, logits
+    for all n rows (what a verify pass computes), for each n in widths.
+
+    The widths are measured round-robin — every round times each width once — so a slow spell of a
+    shared machine falls on all widths alike instead of on whichever was being measured."""
+    widths = sorted(set(widths))
+    top = max(widths)
+    cache = KVCache.for_model(model.config, 1, context + top + 1, model.dtype, model.device)
+    ids = torch.randint(0, model.config.vocab_size, (1, context + top))
+    pos = torch.arange(context)[None]
+    model(ids[:, :context], pos, cache.view([0], pos))
+    times: dict[int, list[float]] = {n: [] for n in widths}
+    for r in range(repeats + 1):                 # round 0 warms up
+        for n in widths:
+            new_pos = torch.arange(context, context + n)[None]
+            t = time.perf_counter()
+            model.logits(model(ids[:, context:context + n], new_pos, cache.view([0], new_pos)), torch.arange(n)[None])
+            if r:
+                times[n].append(time.perf_counter() - t)
+        if on_round:
+            on_round(r, repeats)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def pass_cost(model: Transformer, n: int, context: int = 128, repeats: int = 5) -> float:
+    """pass_costs for one width."""
+    return pass_costs(model, [n], context, repeats)[n]
+
+
+def c_p_at(c_p: dict[int, float], n: int) -> float:
+    """c_p(n) from the measured widths: exact, linear between the two nearest, or extended along
+    the widest two."""
+    if n in c_p:
+        return c_p[n]
+    widths = sorted(c_p)
+    below, above = [w for w in widths if w < n], [w for w in widths if w > n]
+    if below and above:
+        lo, hi = below[-1], above[0]
+    else:                                   # beyond the measured widths: the nearest two
+        lo, hi = (widths[-2], widths[-1]) if below else (widths[0], widths[1])
+    return c_p[lo] + (c_p[hi] - c_p[lo]) * (n - lo) / (hi - lo)
+
+
+
+def width_ratios(model: Transformer, key: str, widths=CALIBRATION_WIDTHS, repeats: int = 2,
+                 on_round=None) -> dict[int, float]:
+    """c_p(n) / c_p(1) for each width, from the calibration file when it has `key` (with the machine's
+    kernel build and threads added), else measured now and stored."""
+    from verispec.kernels import machine
+    from verispec.loaders.builtin import cache_dir
+
+    info = machine()
+    full_key = "|".join([key, info["cpu_model"], info["kernel"], f"{torch.get_num_threads()} threads",
+                         ",".join(map(str, widths))])
+    path = cache_dir() / "calibration.json"
+    try:
+        stored = json.loads(path.read_text())
+        ratios = {int(n): float(r) for n, r in stored[full_key].items()}
+        if all(r > 0 for r in ratios.values()):
+            return ratios
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        stored = {}
+    seconds = pass_costs(model, [1, *widths], repeats=repeats, on_round=on_round)
+    ratios = {n: seconds[n] / seconds[1] for n in widths}
+    stored = stored if isinstance(stored, dict) else {}
+    stored[full_key] = ratios
+    try:                                                     # atomic: a concurrent writer never leaves half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(stored, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass                                                 # a read-only cache: measure again next time
+    return ratios
