@@ -119,25 +119,56 @@ def q4_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return (low + q * scale).reshape(n, k)
 
 
-def test_int4_quantization_is_exact_on_a_4bit_grid_and_refuses_other_weights():
-    w = q4_weight(8, 96)
-    packed, scales, mins = quant.quantize_int4(w)
-    layer = quant.Int4Linear(96, 8, packed, scales, mins, None)
-    torch.testing.assert_close(layer.dequantized(), w, rtol=0, atol=1e-5)
+def _linear(w: torch.Tensor) -> nn.Linear:
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    return lin
+
+
+def test_int4_quantization_keeps_a_4bit_grid_and_refuses_other_weights():
+    w = q4_weight(40, 96)
+    layer = quant.Int4Linear.from_linear(_linear(w))
+    step = (w.reshape(40, 3, 32).amax(-1) - w.reshape(40, 3, 32).amin(-1)) / 15
+    err = (layer.dequantized() - w).reshape(40, 3, 32).abs().amax(-1)
+    assert (err <= 0.01 * step + 1e-6).all()                        # fp16 scales: a small fraction of a step
     assert quant.quantize_int4(torch.randn(8, 96)) is None          # not on a grid: stays int8
     assert quant.quantize_int4(q4_weight(8, 96)[:, :80]) is None    # K not a multiple of 32
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (200, 1536), (7, 64)])
+def test_int4_packing_round_trips(n, k):
+    g = torch.Generator().manual_seed(n)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scales, mins = torch.rand(n, k // 32, generator=g), -torch.rand(n, k // 32, generator=g)
+    packed, s16, m16 = kernels.pack_int4(q, scales, mins)
+    assert packed.shape == (-(-n // 16), k // 32, 4, 16) and s16.dtype == torch.float16
+    per_k = lambda v: v.permute(0, 2, 1).reshape(-1, k // 32)[:n].float().repeat_interleave(32, 1)
+    torch.testing.assert_close(kernels.unpack_int4(packed, s16, m16, n), per_k(m16) + q * per_k(s16),
+                               rtol=0, atol=1e-6)
+    assert (packed[0, 0, 0, 0] & 0xF) == q[0, 0] and ((packed[0, 0, 0, 0] >> 16) & 0xF) == q[0, 1]
+    if n > 2:
+        assert ((packed[0, 0, 1, 2] >> 4) & 0xF) == q[2, 10]       # chunk 1 = k 8…15, i = 1 -> k 10
+
+
+def int4_reference(x: torch.Tensor, layer) -> torch.Tensor:
+    """float64 of gemm4.c's arithmetic: rows rounded to int16, then exact sums."""
+    qx, sx = round_rows_to_int16(x)
+    return (qx.double() @ layer.dequantized().double().T) * sx.double()
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 7, 13, 23])
 def test_int4_gemm_matches_reference_and_is_row_exact(native, m):
-    w = q4_weight(200, 1536, seed=m)
-    packed, scales, mins = quant.quantize_int4(w)
-    x = torch.randn(m, 1536)
-    out = native.int4_gemm(x, packed, scales, mins)
-    ref = x.double() @ w.double().T
-    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    layer = quant.Int4Linear.from_linear(_linear(q4_weight(200, 1536, seed=m)))
+    x = torch.randn(m, 1536) * 3
+    out = native.int4_gemm(x, layer.packed, layer.scales, layer.mins)[:, :200]
+    ref = int4_reference(x, layer)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    unrounded = x.double() @ layer.dequantized().double().T           # the rounding of activations is small
+    torch.testing.assert_close(out.double(), unrounded, rtol=1e-3, atol=1e-3 * unrounded.abs().max().item())
     for i in range(m):
-        assert torch.equal(native.int4_gemm(x[i:i + 1].contiguous(), packed, scales, mins)[0], out[i])
+        alone = native.int4_gemm(x[i:i + 1].contiguous(), layer.packed, layer.scales, layer.mins)
+        assert torch.equal(alone[0, :200], out[i])
 
 
 def test_int4_model_mixes_formats_and_keeps_greedy_speculation_exact():
@@ -240,6 +271,11 @@ def test_every_variant_gives_the_same_bits():
         first = libs[0].int8_gemm(x, packed, scale)
         for other in libs[1:]:
             assert torch.equal(other.int8_gemm(x, packed, scale), first), (other.variant, m, n, k)
+    layer = quant.Int4Linear.from_linear(_linear(q4_weight(100, 8960)))
+    x = torch.randn(5, 8960)
+    first = libs[0].int4_gemm(x, layer.packed, layer.scales, layer.mins)
+    for other in libs[1:]:
+        assert torch.equal(other.int4_gemm(x, layer.packed, layer.scales, layer.mins), first)
     q, kv = torch.randn(2, 12, 5, 128), torch.randn(2, 2, 300, 128)
     positions = torch.stack([torch.arange(290, 295), torch.arange(10, 15)])
     first = libs[0].attend_rows(q, kv, kv * 0.5, positions, 0.1)
@@ -264,3 +300,11 @@ def test_an_unknown_or_unsupported_variant_says_why():
         if v.name not in kernels.supported_variants():
             with pytest.raises(RuntimeError, match="the CPU lacks"):
                 kernels.load_variant(v.name)
+
+
+def test_int4_finds_the_step_when_a_group_skips_levels():
+    """Levels 0, 2 and 5 steps apart: the smallest gap (2 steps) is not the step; gap / 2 is."""
+    w = torch.full((1, 32), 0.05)
+    w[0, :3] = torch.tensor([0.0, 0.02, 0.05])
+    q, step, low = quant.quantize_int4(w)
+    assert q[0, :4].tolist() == [0, 2, 5, 5] and step.item() == pytest.approx(0.01) and low.item() == 0.0

@@ -167,3 +167,45 @@ def test_every_kernel_variant_gives_the_same_native_pass():
         outs.append((x, cache.k.clone()))
     for x, k in outs[1:]:
         assert torch.equal(x, outs[0][0]) and torch.equal(k, outs[0][1])
+
+
+def int4_mixed_model(seed: int = 0, **kw):
+    """int4 where the weights lie on a 4-bit grid per group of 32 (as Q4_K tensors do), int8 elsewhere."""
+    from test_kernels import q4_weight
+
+    model = tiny_model(seed, scale=1.5, **kw)
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if name.endswith(("gate_up_proj", "o_proj")):
+                mod.weight.copy_(q4_weight(mod.out_features, mod.in_features, seed) * 10)
+    return quantize_linears(model, "int4")
+
+
+def test_native_pass_runs_int4_layers_like_the_torch_layers():
+    from verispec.models.quant import Int4Linear
+
+    model = int4_mixed_model()
+    formats = {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Linear")}
+    assert {"Int4Linear", "Int8Linear"} <= formats and NativeDecoder.build(model) is not None
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, Int4Linear)
+    caches = {n: KVCache.for_model(model.config, 2, 128, torch.float32) for n in (True, False)}
+    prompts = [list(range(1, 71)), list(range(20, 90))]
+    for native, cache in caches.items():
+        run(model, cache, [0, 1], prompts, native)
+        advance(cache, [0, 1], prompts)
+    for chunks in ([[5], [7]], [[1, 2, 3, 4, 5], [9, 8]]):
+        out = {n: run(model, c, [0, 1], chunks, n) for n, c in caches.items()}
+        torch.testing.assert_close(out[True], out[False], rtol=1e-3, atol=5e-4 * out[False].abs().max().item())
+        for c in caches.values():
+            advance(c, [0, 1], chunks)
+
+
+def test_greedy_speculation_with_int4_layers_equals_plain():
+    target, draft = int4_mixed_model(0), int4_mixed_model(1, num_layers=1)
+    prompts = [[1, 5, 9, 2, 7], [3, 3], [11, 4, 8, 15, 16, 23, 42, 8, 1]]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = [o.token_ids for o in LLM(target, proposer="none").generate(prompts, params)]
+    assert target._native is not None
+    for k in (2, 5):
+        spec = LLM(target, draft=draft, proposer="draft", k=k).generate(prompts, params)
+        assert [o.token_ids for o in spec] == plain

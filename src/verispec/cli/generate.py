@@ -61,10 +61,10 @@ def add_model_args(p) -> None:
                    help="draft tokens per round: an integer 0 … 64, or 'auto' (default) to choose per "
                         "sequence and round from measured costs and acceptance, 0 included")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8", "int4"],
-                   help="weights: auto (default: int8 on CPU, bfloat16 on GPU), float32 (reference), "
-                        "bfloat16, int8 (int8 weights per channel in the linears, activations rounded to 16 bits per token "
-                        "inside the native kernel; float32 elsewhere), or int4 (linears "
-                        "already on a 4-bit grid, as in Q4_K GGUF files, in int4 without loss; others int8)")
+                   help="weights: auto (default: int4 on CPU, bfloat16 on GPU), float32 (reference), "
+                        "bfloat16, int8 (int8 weights per channel, activations rounded to 16 bits per token "
+                        "inside the native kernel; float32 elsewhere), or int4 (linears already on a 4-bit grid, "
+                        "as Q4_K GGUF tensors are, in int4 with fp16 group scales; the others int8)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
 
 

@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled on first use with the system C compiler and cached.
 
-`gemm.c` holds the quantized matmuls (int8 weights per channel with activations rounded to 16-bit
-integers per row and integer dot products; int4 per group of 32), `attention.c` the row-by-row
+`gemm.c` and `gemm4.c` hold the quantized matmuls (int8 weights per channel, int4 per group of 32; the
+activations rounded to 16-bit integers per row, integer dot products), `attention.c` the row-by-row
 attention of decode and verify passes (reading a static or paged cache in place), `decoder.c` a whole
 decoder pass of an int8 model in one call (see each file's header). The sources are built into one
 shared library per
@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "gemm.c", HERE / "attention.c", HERE / "decoder.c"]
+SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "attention.c", HERE / "decoder.c"]
 HEADER = HERE / "kernels.h"
-ABI = 10
+ABI = 11
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _status = "not loaded"
 
@@ -48,9 +48,10 @@ class Variant:
 
 
 VARIANTS = (
-    Variant("avx512vnni", ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
-            ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")),
-    Variant("avx2", ("-mavx2", "-mfma"), ("avx2", "fma")),
+    Variant("avx512vnni", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                           "-mavx512vnni"),
+            ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")),
+    Variant("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
 )
 # Vector extensions worth naming in a results file.
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx_vnni",
@@ -113,7 +114,7 @@ class NativeKernels:
     def __init__(self, lib: ctypes.CDLL, variant: str):
         self.lib, self.variant = lib, variant
         lib.verispec_int8_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-        lib.verispec_int4_gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_int]
+        lib.verispec_int4_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
         lib.verispec_attend_rows.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_void_p] * 2
                                              + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int])
         lib.verispec_decoder.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
@@ -223,6 +224,40 @@ def unpack_int8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return full[:n, :k].contiguous()
 
 
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (N, K) integers 0 … 15, scales and mins (N, K/32) -> gemm4.c's layout: packed (ceil(N/16), K/32,
+    4, 16) int32 (bit 4i + 16t of word (b, g, j, c) holds q[16b + c, 32g + 8j + 2i + t]) and scales,
+    mins (ceil(N/16), K/32, 16) float16; zero past N."""
+    n, k = q.shape
+    blocks, groups = -(-n // BLOCK), k // 32
+    qp = torch.zeros(blocks * BLOCK, k, dtype=torch.int32)
+    qp[:n] = q.to(torch.int32)
+    qp = qp.view(blocks, BLOCK, groups, 4, 4, 2)                              # (b, c, g, j, i, t)
+    shifts = (4 * torch.arange(4)[:, None] + 16 * torch.arange(2)[None, :]).to(torch.int32)   # (i, t)
+    words = (qp << shifts).sum(dim=(-2, -1), dtype=torch.int64)              # (b, c, g, j), < 2^32
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    packed = words.permute(0, 2, 3, 1).contiguous()                          # (b, g, j, c)
+
+    def per_block(v: torch.Tensor) -> torch.Tensor:                          # (N, G) -> (blocks, G, 16) fp16
+        out = torch.zeros(blocks * BLOCK, groups, dtype=torch.float16)
+        out[:n] = v.to(torch.float16)
+        return out.view(blocks, BLOCK, groups).permute(0, 2, 1).contiguous()
+
+    return packed, per_block(scales), per_block(mins)
+
+
+def unpack_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int) -> torch.Tensor:
+    """The weight pack_int4's arguments describe, (N, K) float32: min + q · scale in fp32."""
+    blocks, groups = packed.shape[:2]
+    words = packed.to(torch.int64) & 0xFFFFFFFF                              # (b, g, j, c)
+    shifts = 4 * torch.arange(4)[:, None] + 16 * torch.arange(2)[None, :]   # (i, t)
+    q = (words[..., None, None] >> shifts) & 0xF                             # (b, g, j, c, i, t)
+    q = q.permute(0, 3, 1, 2, 4, 5).reshape(blocks * BLOCK, groups, 32).float()
+    sc = scales.permute(0, 2, 1).reshape(blocks * BLOCK, groups, 1).float()
+    mn = mins.permute(0, 2, 1).reshape(blocks * BLOCK, groups, 1).float()
+    return (mn + q * sc).reshape(blocks * BLOCK, groups * 32)[:n]
+
+
 def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (M, K) float32 contiguous, packed weight from pack_int8, scales (N,) float32 -> (M, N) float32.
 
@@ -231,8 +266,8 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> to
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """x (M, K) float32 contiguous; packed (N, K/2) uint8, scales and mins (N, K/32) float32 (see
-    gemm.c for the layout) -> (M, N) float32."""
+    """x (M, K) float32 contiguous, K a multiple of 32; packed, scales and mins from pack_int4 -> (M, N16)
+    float32 with N16 = N rounded up to 16 (the caller drops the padding columns). See gemm4.c."""
     return _load().int4_gemm(x, packed, scales, mins)
 
 
@@ -267,12 +302,15 @@ def _int8_gemm(lib, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor)
 
 def _int4_gemm(lib, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
-    n = packed.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    sums = torch.empty(m, k // 32, dtype=torch.float32)
-    if lib.verispec_int4_gemm(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), sums.data_ptr(),
-                              y.data_ptr(), m, n, k, torch.get_num_threads()):
-        raise ValueError(f"int4_gemm needs K divisible by 32, got {k}")
+    blocks = packed.shape[0]
+    if (k % 32 or packed.shape != (blocks, k // 32, 4, BLOCK) or packed.dtype != torch.int32
+            or scales.shape != (blocks, k // 32, BLOCK) or mins.shape != scales.shape
+            or scales.dtype != torch.float16 or mins.dtype != torch.float16):
+        raise ValueError(f"int4_gemm: packed weight {tuple(packed.shape)} does not fit K={k}")
+    y = torch.empty(m, blocks * BLOCK, dtype=torch.float32)
+    if lib.verispec_int4_gemm(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
+                              m, blocks * BLOCK, k, torch.get_num_threads()):
+        raise MemoryError("int4_gemm: no memory for the rounded activations")
     return y
 
 
@@ -296,10 +334,16 @@ def _attend_rows(lib, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out
 
 
+class LinearWeights(ctypes.Structure):
+    """One linear for decoder.c: format 0 = int8 (w, scale), 1 = int4 (w, scale, mins); pointers."""
+    _fields_ = [("format", ctypes.c_int64), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("mins", ctypes.c_void_p)]
+
+
 class LayerWeights(ctypes.Structure):
     """One decoder layer's tensors for decoder.c (pointers; the owner keeps the tensors alive)."""
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("ln1", "ln2", "qkv", "qkv_scale", "qkv_bias", "o", "o_scale", "gu", "gu_scale", "down", "down_scale")]
+    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
+                ("qkv", LinearWeights), ("o", LinearWeights), ("gu", LinearWeights), ("down", LinearWeights)]
 
 
 class DecoderDims(ctypes.Structure):

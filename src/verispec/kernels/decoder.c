@@ -3,7 +3,7 @@
  *   xn = RMSNorm(x) · ln1;  qkv = xn · W_qkvᵀ (+ bias);  RoPE on q and k;  k, v written into the cache;
  *   att = row-by-row attention (attention.c);  x += att · W_oᵀ;
  *   xn = RMSNorm(x) · ln2;  [gate | up] = xn · W_guᵀ;  x += (silu(gate) · up) · W_downᵀ.
- * The matmuls are gemm.c's int8 kernel, the attention attention.c's; the steps between them are
+ * The matmuls are gemm.c's int8 or gemm4.c's int4 kernel (per linear), the attention attention.c's; the steps between them are
  * worksharing loops over rows (or row × head), each ended by the loop's barrier, so the threads stay
  * in one region for the whole pass instead of forking and joining ~10 times per layer.
  *
@@ -19,13 +19,32 @@
  */
 #include "kernels.h"
 
+/* One linear layer: format 0 = int8 (w: gemm.c's packed int8, scale: (N) float32), 1 = int4 (w, scale,
+   mins: gemm4.c's packed words and fp16 scales / minimums). */
+typedef struct {
+    int64_t format;
+    const void *w, *scale, *mins;
+} linear_weights;
+
 typedef struct {
     const float *ln1, *ln2;                                 /* (C) RMSNorm weights */
-    const int8_t *qkv; const float *qkv_scale, *qkv_bias;   /* (H + 2 H_kv) · D outputs from C; bias or NULL */
-    const int8_t *o; const float *o_scale;                  /* C outputs from H · D */
-    const int8_t *gu; const float *gu_scale;                /* 2I outputs from C: gate rows, then up rows */
-    const int8_t *down; const float *down_scale;            /* C outputs from I */
+    const float *qkv_bias;                                  /* (H + 2 H_kv) · D, or NULL */
+    linear_weights qkv;                                     /* (H + 2 H_kv) · D outputs from C */
+    linear_weights o;                                       /* C outputs from H · D */
+    linear_weights gu;                                      /* 2I outputs from C: gate rows, then up rows */
+    linear_weights down;                                    /* C outputs from I */
 } layer_weights;
+
+/* y (R, N) = the rows already rounded in qx / sx through one linear (xs: scratch for int4's group sums). */
+static void linear_ws(const linear_weights *lw, const int16_t *qx, const float *sx, float *xs, float *y,
+                      long R, long N, long K) {
+    if (lw->format == 1) {
+        vs_group_sums_ws(qx, R, K, xs);
+        vs_int4_gemm_ws(qx, sx, xs, lw->w, lw->scale, lw->mins, y, R, N, K);
+    } else {
+        vs_int8_gemm_ws(qx, sx, lw->w, lw->scale, y, R, N, K);
+    }
+}
 
 typedef struct {
     long layers, C, H, Hkv, D, I;
@@ -121,11 +140,11 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
     long maxp = 0;
     for (long r = 0; r < R; r++) maxp = pos[r] > maxp ? pos[r] : maxp;
     long SP = spad(maxp + 1);
-    size_t floats = (size_t)R * (2 * C + QW + H * D + 3 * I) + R + (size_t)SP * GMAX * threads;
+    size_t floats = (size_t)R * (2 * C + QW + H * D + 3 * I) + R + (size_t)R * (KMAX / 32 + 1) + (size_t)SP * GMAX * threads;
     float *arena = malloc(sizeof(float) * floats + sizeof(int16_t) * R * KMAX + 64);
     if (!arena) return -1;
     float *xn = arena, *tmp = xn + R * C, *qkv = tmp + R * C, *att = qkv + R * QW, *gu = att + R * H * D;
-    float *act = gu + R * 2 * I, *sx = act + R * I, *scratch = sx + R;
+    float *act = gu + R * 2 * I, *sx = act + R * I, *xs = sx + R, *scratch = xs + R * (KMAX / 32 + 1);
     int16_t *qx = (int16_t *)(scratch + (size_t)SP * GMAX * threads);
 #pragma omp parallel num_threads(threads)
     for (long l = 0; l < dm->layers; l++) {
@@ -133,18 +152,18 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
         kv_view kv = {kstore + l * layer_stride, vstore + l * layer_stride, tables, nb, bs, blk_stride, head_stride};
         rmsnorm_ws(x, w->ln1, xn, R, C, dm->eps);
         vs_quantize_rows_ws(xn, R, C, qx, sx);
-        vs_int8_gemm_ws(qx, sx, w->qkv, w->qkv_scale, qkv, R, QW, C);
+        linear_ws(&w->qkv, qx, sx, xs, qkv, R, QW, C);
         qkv_post_ws(qkv, w->qkv_bias, cos, sin, pos, &kv, R, T, H, Hkv, D);
         vs_attend_ws(qkv, QW, &kv, pos, att, B, H, Hkv, T, D, dm->scale, scratch, SP);
         vs_quantize_rows_ws(att, R, H * D, qx, sx);
-        vs_int8_gemm_ws(qx, sx, w->o, w->o_scale, tmp, R, C, H * D);
+        linear_ws(&w->o, qx, sx, xs, tmp, R, C, H * D);
         add_rows_ws(x, tmp, R, C);
         rmsnorm_ws(x, w->ln2, xn, R, C, dm->eps);
         vs_quantize_rows_ws(xn, R, C, qx, sx);
-        vs_int8_gemm_ws(qx, sx, w->gu, w->gu_scale, gu, R, 2 * I, C);
+        linear_ws(&w->gu, qx, sx, xs, gu, R, 2 * I, C);
         silu_mul_ws(gu, act, R, I);
         vs_quantize_rows_ws(act, R, I, qx, sx);
-        vs_int8_gemm_ws(qx, sx, w->down, w->down_scale, tmp, R, C, I);
+        linear_ws(&w->down, qx, sx, xs, tmp, R, C, I);
         add_rows_ws(x, tmp, R, C);
     }
     free(arena);

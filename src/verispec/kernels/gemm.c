@@ -1,4 +1,4 @@
-/* Quantized matmuls for decode, verify and prefill shapes: int8 per channel, int4 per group.
+/* The int8 matmul for decode, verify and prefill shapes (int8 weights per channel; int4 is gemm4.c).
  *
  * int8: y (M, N) = x (M, K) · dequant(w)ᵀ, with w int8 (N, K) in [-127, 127] and per-output-channel
  * fp32 scales. Each activation row is first rounded to 16-bit integers with one scale per row,
@@ -237,86 +237,6 @@ int verispec_int8_gemm(const float *x, const int8_t *wp, const float *scale, flo
         vs_int8_gemm_ws(qx, sx, wp, scale, y, M, N, K);
     }
     free(qx);
-    return 0;
-}
-
-/* ---------------------------------------------------------------------------------------------
- * int4: y[m, n] = Σ_g ( scale[n, g] · Σ_{k in g} q[n, k] · x[m, k] + min[n, g] · Σ_{k in g} x[m, k] )
- * with q in 0..15, groups of 32 along k, packed 16 bytes per group: byte j = q[j] | q[j + 16] << 4.
- * An affine 16-level grid per group of 32 is exactly how Q4_K GGUF weights are stored, so such
- * weights run in int4 with no loss against the file. Same row-exactness rule as above: each output
- * is one fixed sequence of operations whatever M is.
- */
-
-#define G4 32
-#define MG4 4
-
-static inline void unpack32(const uint8_t *p, __m256 w[4]) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-}
-
-#define KERNEL4(MM)                                                                                \
-    static void q4_##MM(const float *x, const float *xs, const uint8_t *q, const float *sc,        \
-                        const float *mn, float *y, long N, long K, long n) {                       \
-        long G = K / G4;                                                                           \
-        __m256 acc[MM];                                                                            \
-        for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();                                 \
-        const uint8_t *row = q + n * (K / 2);                                                      \
-        for (long g = 0; g < G; g++) {                                                             \
-            __m256 w[4];                                                                           \
-            unpack32(row + g * 16, w);                                                             \
-            __m256 s = _mm256_set1_ps(sc[n * G + g]);                                              \
-            for (int m = 0; m < MM; m++) {                                                         \
-                const float *xr = x + m * K + g * G4;                                              \
-                __m256 part = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));                            \
-                part = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), part);                       \
-                part = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), part);                      \
-                part = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), part);                      \
-                acc[m] = _mm256_fmadd_ps(part, s, acc[m]);                                         \
-            }                                                                                      \
-        }                                                                                          \
-        for (int m = 0; m < MM; m++) {                                                             \
-            float sum = hsum(acc[m]);                                                              \
-            for (long g = 0; g < G; g++) sum += mn[n * G + g] * xs[m * G + g];                     \
-            y[m * N + n] = sum;                                                                    \
-        }                                                                                          \
-    }
-
-KERNEL4(1)
-KERNEL4(2)
-KERNEL4(3)
-KERNEL4(4)
-
-typedef void (*q4_fn)(const float *, const float *, const uint8_t *, const float *, const float *, float *,
-                      long, long, long);
-static const q4_fn Q4[MG4 + 1] = {0, q4_1, q4_2, q4_3, q4_4};
-
-/* xs: caller-provided scratch of M × K/32 floats (per-group sums of each activation row). */
-int verispec_int4_gemm(const float *x, const uint8_t *q, const float *scale, const float *mins, float *xs,
-                       float *y, long M, long N, long K, int threads) {
-    if (K % G4) return -1;
-    long G = K / G4;
-    for (long m = 0; m < M; m++)
-        for (long g = 0; g < G; g++) {
-            float s = 0.0f;
-            for (long t = 0; t < G4; t++) s += x[m * K + g * G4 + t];
-            xs[m * G + g] = s;
-        }
-    long tiles = (N + 63) / 64;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long t = 0; t < tiles; t++) {
-        long n0 = t * 64, n1 = n0 + 64 < N ? n0 + 64 : N;
-        for (long m0 = 0; m0 < M; m0 += MG4) {
-            long mm = M - m0 < MG4 ? M - m0 : MG4;
-            for (long n = n0; n < n1; n++) Q4[mm](x + m0 * K, xs + m0 * G, q, scale, mins, y + m0 * N, N, K, n);
-        }
-    }
     return 0;
 }
 

@@ -1,11 +1,11 @@
 """A whole decoder pass in one native call (kernels/decoder.c) for int8 models on the CPU.
 
 `NativeDecoder.build(model)` says whether a model qualifies — float32 compute, every projection an
-`Int8Linear` in the kernel's packed layout (o, gate/up and down without bias), the native kernels
-available — and holds one `LayerWeights` record of tensor pointers per layer. Calling it runs every
+`Int8Linear` or `Int4Linear` in the kernels' packed layouts (o, gate/up and down without bias), the
+native kernels available — and holds one `LayerWeights` record of tensor pointers per layer. Calling it runs every
 decoder layer over a pass of new tokens, reading and writing the engine's cache (static or paged) in
 place through `CacheView.layout()`. The torch layers in `transformer.py` stay the reference and the
-fallback: int4 layers, bf16, GPUs, prefill chunks, `VERISPEC_KERNELS=off`.
+fallback: bf16, GPUs, prefill chunks, `VERISPEC_KERNELS=off`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from verispec import kernels
 from verispec.models.kv_cache import CacheView
-from verispec.models.quant import Int8Linear
+from verispec.models.quant import Int4Linear, Int8Linear
 
 MAX_HEAD_DIM = 512            # decoder.c's per-head scratch
 
@@ -30,19 +30,28 @@ class NativeDecoder:
         self.weights = (kernels.LayerWeights * len(layers))()
         for record, block in zip(self.weights, layers):
             attn, mlp = block.self_attn, block.mlp
-            for field, tensor in (("ln1", block.input_layernorm.weight), ("ln2", block.post_attention_layernorm.weight),
-                                  ("qkv", attn.qkv_proj.weight), ("qkv_scale", attn.qkv_proj.scales),
-                                  ("qkv_bias", attn.qkv_proj.bias), ("o", attn.o_proj.weight),
-                                  ("o_scale", attn.o_proj.scales), ("gu", mlp.gate_up_proj.weight),
-                                  ("gu_scale", mlp.gate_up_proj.scales), ("down", mlp.down_proj.weight),
-                                  ("down_scale", mlp.down_proj.scales)):
-                if tensor is not None:
-                    tensor = tensor.detach().contiguous()
-                    self._keep.append(tensor)
-                setattr(record, field, None if tensor is None else tensor.data_ptr())
+            record.ln1 = self._pointer(block.input_layernorm.weight)
+            record.ln2 = self._pointer(block.post_attention_layernorm.weight)
+            record.qkv_bias = self._pointer(attn.qkv_proj.bias)
+            for field, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gu", mlp.gate_up_proj),
+                                  ("down", mlp.down_proj)):
+                target = getattr(record, field)
+                if isinstance(linear, Int4Linear):
+                    target.format, target.w = 1, self._pointer(linear.packed)
+                    target.scale, target.mins = self._pointer(linear.scales), self._pointer(linear.mins)
+                else:
+                    target.format, target.w = 0, self._pointer(linear.weight)
+                    target.scale, target.mins = self._pointer(linear.scales), None
         self.dims = kernels.DecoderDims(layers=len(layers), C=cfg.hidden_size, H=cfg.num_heads, Hkv=cfg.num_kv_heads,
                                         D=cfg.head_dim, I=cfg.intermediate_size, eps=cfg.rms_norm_eps,
                                         scale=cfg.head_dim ** -0.5)
+
+    def _pointer(self, tensor: torch.Tensor | None) -> int | None:
+        if tensor is None:
+            return None
+        tensor = tensor.detach().contiguous()
+        self._keep.append(tensor)
+        return tensor.data_ptr()
 
     @staticmethod
     def fingerprint(model) -> tuple:
@@ -61,7 +70,7 @@ class NativeDecoder:
         for block in model.model.layers:
             attn, mlp = block.self_attn, block.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(m, Int8Linear) for m in linears):
+            if not all(isinstance(m, (Int8Linear, Int4Linear)) for m in linears):
                 return None
             if any(m.bias is not None for m in linears[1:]):
                 return None

@@ -9,9 +9,11 @@ model's dtype.
 
 int4 (`--dtype int4`): groups of 32 along K with a scale and a minimum each, w = min + q · scale,
 q in 0..15 — an affine 16-level grid per group, which is exactly how Q4_K GGUF weights are stored.
-A weight is put in int4 only when every group already lies on such a grid (so a Q4_K file runs in
-int4 with no loss against the file); any other weight (Q6_K, fp16, …) stays int8. int4 needs the
-native kernel; without it the layer dequantizes once and runs in float32.
+A weight is put in int4 only when every group already lies on such a grid (a Q4_K tensor); any
+other weight (Q6_K, fp16, …) stays int8. Scales and minimums are kept in fp16 (5 bits per weight in
+all: a decode step reads ~60 % of int8's bytes), which moves a weight by at most ~0.4 % of its
+group's step against the file. The matmul is kernels/gemm4.c (same rounded activations, integer
+sums per group); without the native kernel the layer dequantizes once and runs in float32.
 """
 
 from __future__ import annotations
@@ -64,11 +66,14 @@ class Int8Linear(nn.Module):
 
 
 def quantize_int4(weight: torch.Tensor, tol: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(N, K) float -> packed (N, K/2) uint8, scales (N, K/32), mins (N, K/32) float32, or None when
-    some group of 32 is not (within tol of its step) on a 16-level affine grid, or K % 32 != 0.
+    """(N, K) float -> q (N, K) uint8 in 0 … 15, scales and mins (N, K/32) float32 with w = min + q · scale,
+    or None when some group of 32 is not (within tol of its step) on a 16-level affine grid, or
+    K % 32 != 0.
 
-    The grid step of a group is its smallest gap between distinct values, checked to explain every
-    value: exact for groups that came from a 4-bit affine format, whichever levels they use."""
+    A group's step is its smallest gap between distinct values divided by the smallest j = 1, 2, …
+    that explains every value: a group whose levels are, say, 0, 2 and 5 steps apart has gaps of 2
+    and 3 steps and a step of gap / 2. Exact for groups that came from a 4-bit affine format,
+    whichever levels they use."""
     n, k = weight.shape
     if k % GROUP:
         return None
@@ -77,24 +82,36 @@ def quantize_int4(weight: torch.Tensor, tol: float = 1e-3) -> tuple[torch.Tensor
     span = w.amax(-1, keepdim=True) - lo
     gaps = torch.diff(torch.sort(w, dim=-1).values, dim=-1)                  # (N, G, 31)
     gaps = torch.where(gaps > 1e-6 * span.clamp_min(1e-30), gaps, torch.full_like(gaps, float("inf")))
-    step = gaps.amin(-1, keepdim=True)
-    step = torch.where(torch.isfinite(step), step, torch.ones_like(step))  # constant groups: any step
-    q = torch.round((w - lo) / step)
-    if q.max() > 15 or ((lo + q * step - w).abs() > tol * step).any():
+    gap = gaps.amin(-1, keepdim=True)
+    gap = torch.where(torch.isfinite(gap), gap, torch.ones_like(gap))      # constant groups: any step
+    step = torch.empty_like(gap)
+    todo = torch.ones_like(gap, dtype=torch.bool)[..., 0]                    # (N, G) groups still unexplained
+    for j in range(1, 16):
+        idx = todo.nonzero(as_tuple=True)
+        if not idx[0].numel():
+            break
+        cand = gap[idx] / j                                                  # (T, 1)
+        q = torch.round((w[idx] - lo[idx]) / cand)
+        fits = (q.amax(-1) <= 15) & ((lo[idx] + q * cand - w[idx]).abs() <= tol * cand).all(-1)
+        step[idx[0][fits], idx[1][fits]] = cand[fits]
+        todo[idx[0][fits], idx[1][fits]] = False
+    if todo.any():
         return None
-    q = q.to(torch.uint8).reshape(n, k // GROUP, GROUP)
-    packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2)       # byte j = q[j] | q[j+16] << 4
-    return packed.contiguous(), step[..., 0].contiguous(), lo[..., 0].contiguous()
+    q = torch.round((w - lo) / step).to(torch.uint8).reshape(n, k)
+    return q, step[..., 0].contiguous(), lo[..., 0].contiguous()
 
 
 class Int4Linear(nn.Module):
+    """int4 weights in gemm4.c's layout (kernels.pack_int4): packed (ceil(N/16), K/32, 4, 16) int32,
+    scales and mins (ceil(N/16), K/32, 16) float16."""
+
     def __init__(self, in_features: int, out_features: int, packed: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("packed", packed)                              # (N, K/2) uint8
-        self.register_buffer("scales", scales)                              # (N, K/32) float32
-        self.register_buffer("mins", mins)                                  # (N, K/32) float32
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
         self.register_buffer("bias", bias)
         self._dense: torch.Tensor | None = None
 
@@ -103,22 +120,25 @@ class Int4Linear(nn.Module):
         found = quantize_int4(linear.weight.detach())
         if found is None:
             return None
+        q, step, low = found                                                # (N, K) 0 … 15; (N, K/32) twice
         bias = None if linear.bias is None else linear.bias.detach().float()
-        return cls(linear.in_features, linear.out_features, *found, bias)
+        return cls(linear.in_features, linear.out_features, *kernels.pack_int4(q, step, low), bias)
 
     @classmethod
     def empty(cls, linear: nn.Linear) -> "Int4Linear":
         """A shell with the right buffer shapes (for loading cached weights)."""
         n, k = linear.out_features, linear.in_features
+        blocks = -(-n // kernels.BLOCK)
         bias = None if linear.bias is None else torch.empty(n)
-        return cls(k, n, torch.empty(n, k // 2, dtype=torch.uint8), torch.empty(n, k // GROUP),
-                   torch.empty(n, k // GROUP), bias)
+        return cls(k, n, torch.empty(blocks, k // GROUP, 4, kernels.BLOCK, dtype=torch.int32),
+                   torch.empty(blocks, k // GROUP, kernels.BLOCK, dtype=torch.float16),
+                   torch.empty(blocks, k // GROUP, kernels.BLOCK, dtype=torch.float16), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape                                                     # (..., K)
         x2 = x.reshape(-1, shape[-1]).float().contiguous()                 # (M, K)
         if x2.device.type == "cpu" and kernels.available():
-            y = kernels.int4_gemm(x2, self.packed, self.scales, self.mins)  # (M, N)
+            y = kernels.int4_gemm(x2, self.packed, self.scales, self.mins)[:, : self.out_features]   # (M, N)
         else:
             if self._dense is None:
                 self._dense = self.dequantized()
@@ -128,10 +148,7 @@ class Int4Linear(nn.Module):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        n = self.out_features
-        p = self.packed.reshape(n, -1, 16)
-        q = torch.cat([p & 0x0F, p >> 4], dim=-1).float()                   # (N, G, 32)
-        return (self.mins[..., None] + q * self.scales[..., None]).reshape(n, self.in_features)
+        return kernels.unpack_int4(self.packed, self.scales, self.mins, self.out_features)
 
 
 def quantize_linears(model: nn.Module, fmt: str, state: dict | None = None, prefix: str = "") -> nn.Module:
