@@ -111,13 +111,14 @@ def test_greedy_speculative_equals_plain_on_the_real_pair(real_pair):
 
 
 @pytest.mark.real
-def test_greedy_speculative_equals_plain_in_int8_on_the_native_pass():
-    """The default CPU format: every decode and verify pass of both models runs in the native decoder
-    (kernels/decoder.c), and greedy speculation still changes nothing."""
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_greedy_speculative_equals_plain_on_the_native_pass(fmt):
+    """The CPU formats (int4 the default): every decode and verify pass of both models runs in the
+    native decoder (kernels/decoder.c), and greedy speculation still changes nothing."""
     from verispec.loaders.resolve import load_model
 
-    target = load_model("qwen2.5-coder-1.5b-instruct", dtype="int8")
-    draft = load_model("qwen2.5-coder-0.5b-instruct", dtype="int8")
+    target = load_model("qwen2.5-coder-1.5b-instruct", dtype=fmt)
+    draft = load_model("qwen2.5-coder-0.5b-instruct", dtype=fmt)
     params = SamplingParams(temperature=0, max_tokens=24)
     plain = [o.token_ids for o in LLM(target, proposer="none").generate(CODE_PROMPTS, params)]
     assert target.model._native is not None or not kernels.available()
@@ -156,3 +157,19 @@ def test_server_with_embedded_model_matches_generate(real_pair):
         assert chunks[-1].usage.completion_tokens == ref.generated_tokens
     finally:
         live.stop()
+
+
+def test_chat_turns_on_the_embedded_model():
+    """`verispec chat` with piped input: two turns, the second reusing the first from the cache."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "verispec.cli.main", "chat", "--max-tokens", "24"],
+                          input="What is 2 + 2? Answer with the number only.\nAnd 3 + 3?\n/stats\n",
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    assert "4" in proc.stdout.splitlines()[0] and "6" in proc.stdout.splitlines()[1]
+    prefilled, reused = map(int, re.search(r"(\d+) tokens prefilled, (\d+) reused", proc.stdout).groups())
+    assert reused > 20 and prefilled < 25
