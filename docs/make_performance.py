@@ -56,6 +56,18 @@ def env_line(result: dict) -> str:
 
 # -- sections -----------------------------------------------------------------------------------
 
+def provenance(result: dict, current: dict | None) -> list[str]:
+    """A warning when a result came from another machine kind or kernel build than the page's suite run."""
+    if current is None:
+        return []
+    mine, theirs = result.get("environment", {}), current.get("environment", {})
+    key = lambda e: (e.get("cpu_model"), e.get("kernel", e.get("int8_kernel")))
+    if key(mine) == key(theirs):
+        return []
+    return [f"_Measured on another machine or build than the suite above ({machine_line(mine)}) and not rerun "
+            "since: compare its ratios, not its absolute figures, with the sections measured today._", ""]
+
+
 def repeats(bench: dict) -> int:
     return 1 + max((r["repeat"] for r in bench["runs"]), default=0)
 
@@ -132,10 +144,11 @@ def suite_section(bench: dict | None) -> list[str]:
     return out
 
 
-def fixedk_section(bench: dict | None) -> list[str]:
+def fixedk_section(bench: dict | None, current: dict | None = None) -> list[str]:
     out = ["## Fixed K against `auto`, every proposer", ""]
     if bench is None:
         return out + missing("plain vs each proposer at fixed K vs auto", "bash docs/reproduce.sh")
+    out += provenance(bench, current)
     out += [f"Command: `{command_line(bench)}` ([report](results/bench-fixedk.md)). All modes in one run, "
             "interleaved prompt by prompt. Cells: wall-clock speedup / accounted speedup vs plain "
             f"({repeats(bench)} repeat(s): the wall-clock figure moves by several per cent from run to run, "
@@ -143,10 +156,11 @@ def fixedk_section(bench: dict | None) -> list[str]:
     return out + category_table(bench, lambda r: f"{f(r['speedup'], '%.2fx')} / {f(r.get('accounted_speedup'), '%.2fx')}") + [""]
 
 
-def ksweep_section(bench: dict | None) -> list[str]:
+def ksweep_section(bench: dict | None, current: dict | None = None) -> list[str]:
     out = ["## Draft model: speedup against K", ""]
     if bench is None:
         return out + missing("draft K sweep", "bash docs/reproduce.sh")
+    out += provenance(bench, current)
     out += [f"Command: `{command_line(bench)}` ([report](results/bench-ksweep.md), "
             "[speedup vs K](results/plots-ksweep/speedup_vs_k.png), "
             "[acceptance by position](results/plots-ksweep/acceptance_by_position.png)).", ""]
@@ -165,13 +179,13 @@ def costs_section(profile: dict | None) -> list[str]:
     c_p = {int(n): v for n, v in profile["c_p"].items()}
     base = c_p[1]
     out += ["Command: `verispec profile --json docs/results/profile.json` (one 1.5B pass over n new tokens "
-            "after 128 cached, median of repeats).", ""]
-    ns = [n for n in (1, 2, 3, 4, 5, 6, 9, 12, 16) if n in c_p]
+            f"after 128 cached, default format, median of repeats). Environment: {env_line(profile)}.", ""]
+    ns = [n for n in (1, 2, 3, 4, 5, 6, 8, 9, 12, 16) if n in c_p]
     out += ["A 1-token pass is bound by reading the weights from memory; a wider pass by integer multiply "
-            "throughput (the int8 kernel does one `vpmaddwd` — 16 multiply-adds — per 8 columns, 2 k and row, "
-            "and this CPU issues about one per cycle per core), so c_p(n) grows with n from about n = 3. "
-            "Passes of more than 6 rows take a second sweep over the weights. `--k auto` sees these costs "
-            "and chooses K from them.", ""]
+            "throughput (one `vpdpwssd` — 32 multiply-adds — per 16 columns, 2 k and row on AVX-512 VNNI; one "
+            "`vpmaddwd` — 16 — per 8 columns on AVX2), so c_p(n) grows with n once the multiplies outlast the "
+            "memory reads. Passes of more than 6 rows take a second sweep over each weight tile. `--k auto` "
+            "prices rounds with these costs (calibrated once per machine, then learned on the fly).", ""]
     out += table(["n"] + [str(n) for n in ns],
                  [["c_p(n) ms"] + [f(c_p[n] * 1e3, "%.0f") for n in ns],
                   ["c_p(n) / c_p(1)"] + [f(c_p[n] / base) for n in ns]])
@@ -181,10 +195,11 @@ def costs_section(profile: dict | None) -> list[str]:
     return out
 
 
-def batch_section(bench: dict | None) -> list[str]:
+def batch_section(bench: dict | None, current: dict | None = None) -> list[str]:
     out = ["## Batches", ""]
     if bench is None:
         return out + missing("batch > 1", "bash docs/reproduce.sh")
+    out += provenance(bench, current)
     out += [f"Command: `{command_line(bench)}` ([report](results/bench-batch.md)). Tokens/s count every "
             "sequence of the batch.", ""]
     rows = [r for r in bench["summary"] if r["category"] == "all"]
@@ -194,10 +209,11 @@ def batch_section(bench: dict | None) -> list[str]:
     return out
 
 
-def peer_section(bench: dict | None) -> list[str]:
+def peer_section(bench: dict | None, current: dict | None = None) -> list[str]:
     out = ["## Peers in the same run", ""]
     if bench is None:
         return out + missing("Hugging Face transformers peer", "bash docs/reproduce.sh")
+    out += provenance(bench, current)
     out += [f"Command: `{command_line(bench)}` ([report](results/bench-peer.md)). transformers runs the "
             "same GGUF weights dequantized to float32 (its CPU default); verispec runs its default "
             "(int8). Ratios are tokens/s measured in the same run on the same prompts.", ""]
@@ -212,14 +228,15 @@ def peer_section(bench: dict | None) -> list[str]:
     return out + [""]
 
 
-def llamacpp_section(bench: dict | None) -> list[str]:
+def llamacpp_section(bench: dict | None, current: dict | None = None) -> list[str]:
     out = ["## llama.cpp on the same files", ""]
     if bench is None:
         return out + missing("llama.cpp peer", "bash docs/reproduce.sh (needs pip install -e '.[llamacpp]')")
+    out += provenance(bench, current)
     out += [f"Command: `{command_line(bench)}` ([report](results/bench-llamacpp.md)). llama.cpp "
             "(llama-cpp-python, built from source with its native CPU flags) runs the same GGUF file with "
-            "the same thread count: its own Q4_K/Q6_K kernels with 8-bit activations, where verispec runs "
-            "int8 weights with 16-bit activations. Its prompt-lookup mode is `LlamaPromptLookupDecoding` "
+            "the same thread count: its own Q4_K/Q6_K kernels with 8-bit activations, where verispec runs its "
+            "default format (Q4_K tensors in int4, the rest int8; 16-bit activations). Its prompt-lookup mode is `LlamaPromptLookupDecoding` "
             "(10 tokens), the only speculative mode the Python package has. Tokens/s include prefill; "
             "ratios are measured in the same run on the same prompts. Greedy outputs of llama.cpp differ "
             "from ours where the two numerics pick different tokens.", ""]
@@ -241,15 +258,18 @@ def formats_section(formats: dict | None) -> list[str]:
     out = ["## Weight formats", ""]
     if formats is None:
         return out + missing("decode speed, quality, peak RSS", "python docs/measure_formats.py")
+    avx512 = "avx512f" in formats.get("environment", {}).get("cpu_flags", [])
+    bandwidth = 35e9 if avx512 else 20e9         # 2-thread read bandwidth: Zen 4 ~25–45 GB/s, Zen 3 ~20 GB/s
     out += [f"Command: `python docs/measure_formats.py`. Environment: {env_line(formats)}. Decode tok/s: plain "
             "greedy, 64 tokens, prefill excluded, median of 3. Quality: against fp32 on a fixed 150-token text. "
-            "Bandwidth floor: bytes of weights read per token ÷ ~20 GB/s (the machine's 2-thread read bandwidth).", ""]
-    bytes_per_param = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.6}   # int4: Q4_K layers at 4.5 bits, the rest int8
+            f"Bandwidth floor: bytes of weights read per token ÷ ~{bandwidth / 1e9:.0f} GB/s (this machine kind's "
+            "2-thread read bandwidth).", ""]
+    bytes_per_param = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.62}  # int4: Q4_K layers at 5 bits, the rest int8
     params = {"qwen2.5-coder-0.5b-instruct": 0.494e9 + 0.136e9, "qwen2.5-coder-1.5b-instruct": 1.54e9 + 0.233e9}
     body = []
     for name, entry in formats["models"].items():
         for fmt, m in entry.items():
-            floor_ms = params.get(name, 0) * bytes_per_param[fmt] / 20e9 * 1e3
+            floor_ms = params.get(name, 0) * bytes_per_param[fmt] / bandwidth * 1e3
             step_ms = 1e3 / m["tok_s"] if m.get("tok_s") else None
             body.append([name, fmt, f(m.get("tok_s")), ", ".join(str(x) for x in m.get("tok_s_runs", [])),
                          f(floor_ms, "%.0f"), f(floor_ms / step_ms * 100 if step_ms else None, "%.0f %%"),
@@ -260,7 +280,7 @@ def formats_section(formats: dict | None) -> list[str]:
     over = [row for row in body if row[5].endswith("%") and float(row[5].split()[0]) > 100]
     if over:
         out += ["", "Above 100 % of the floor: memory read faster in that run than the ~20 GB/s the floor assumes "
-                "(the machine's bandwidth moves with its neighbours; the kernel alone, below, is the closer gauge)."]
+                "(the machine's bandwidth moves with its neighbours; the kernels alone, below, are the closer gauge)."]
     rss = formats.get("pair_peak_rss_mb", {})
     out += ["", "Peak RSS of a process running the pair (1.5B target + 0.5B draft, draft proposer, 32 tokens): "
             + ", ".join(f"{fmt} {mb / 1024:.2f} GiB" for fmt, mb in rss.items()) + ".", ""]
@@ -268,19 +288,66 @@ def formats_section(formats: dict | None) -> list[str]:
 
 
 def kernel_section(kernel: dict | None) -> list[str]:
-    out = ["## The int8 kernel alone", ""]
+    out = ["## The matmul kernels alone", ""]
     if kernel is None:
-        return out + missing("int8 kernel by row count", "python docs/measure_kernel.py --out docs/results/kernel.json")
+        return out + missing("kernels by row count", "python docs/measure_kernel.py --out docs/results/kernel.json")
+    if "fused" in next(iter(kernel["rows"].values())):
+        return out + ["_Measured with an earlier version of the script; rerun `python docs/measure_kernel.py`._", ""]
     out += [f"Command: `python docs/measure_kernel.py --out docs/results/kernel.json` ({kernel['threads']} threads, "
-            f"{kernel['kernel']}). Matmuls only, random int8 weights at the 1.5B's shapes streamed from memory; "
-            "'model' = 28 fused layers + LM head. Why wider passes cost what they do: "
-            "[PERFORMANCE_LOG.md](PERFORMANCE_LOG.md#why-a-5-token-verify-pass-costs-more-than-15x-a-1-token-pass-here).", ""]
+            f"{machine_line(kernel)}). Matmuls only: random weights at the 1.5B's shapes streamed from memory, "
+            "milliseconds for 28 layers (q/k/v, o, gate/up, down) + the int8 LM head, each instruction-set "
+            "variant and format timed alternately in one process.", ""]
     rows = kernel["rows"]
-    base = rows[min(rows, key=int)]["model"]
-    out += table(["rows M", "fused ms/layer", "apart ms/layer", "LM head ms", "model ms", "× M = 1"],
-                 [[m, f(r["fused"] * 1e3), f(r["apart"] * 1e3), f(r["head"] * 1e3), f(r["model"] * 1e3, "%.0f"),
-                   f(r["model"] / base)] for m, r in rows.items()]) + [""]
+    combos = list(next(iter(rows.values())))
+    base = rows[min(rows, key=int)]
+    out += table(["rows M"] + [f"{c} ms (× M = 1)" for c in combos],
+                 [[m] + [f"{r[c] * 1e3:.1f} ({r[c] / base[c]:.2f})" for c in combos] for m, r in rows.items()]) + [""]
     return out
+
+
+def ttft_section(result: dict | None) -> list[str]:
+    out = ["### Prefill and decode apart", ""]
+    if result is None:
+        return out + missing("time to first token and decode speed vs llama.cpp",
+                             "python docs/measure_llamacpp.py --out docs/results/llamacpp-ttft.json")
+    rows = result["rows"]
+    out += [f"Command: `python docs/measure_llamacpp.py` ({result['environment']['threads']} threads, "
+            f"{machine_line(result['environment'])}). Plain greedy decoding in verispec's default format; "
+            f"time to first token (prefill) and tokens/s over the next {result['new_tokens']} tokens, each the "
+            "median of 3 alternated runs per prompt.", ""]
+    out += table(["prompt", "tokens", "TTFT llama.cpp s", "TTFT verispec s", "prefill × llama.cpp",
+                  "decode llama.cpp tok/s", "decode verispec tok/s", "decode × llama.cpp"],
+                 [[r["prompt"], r["prompt_tokens"], f(r["llama.cpp_ttft_s"], "%.3f"), f(r["verispec_ttft_s"], "%.3f"),
+                   f(r["llama.cpp_ttft_s"] / r["verispec_ttft_s"], "%.2fx"), f(r["llama.cpp_decode_tok_s"], "%.1f"),
+                   f(r["verispec_decode_tok_s"], "%.1f"), f(r["verispec_decode_tok_s"] / r["llama.cpp_decode_tok_s"], "%.2fx")]
+                  for r in rows])
+    suite = [r for r in rows if r["prompt"] != "long-copy"]
+    if suite:
+        geo = lambda xs: 2 ** (sum(__import__("math").log2(x) for x in xs) / len(xs))
+        out += ["", f"Bundled suite, geometric means: prefill {geo([r['llama.cpp_ttft_s'] / r['verispec_ttft_s'] for r in suite]):.2f}x "
+                f"llama.cpp's speed, decode {geo([r['verispec_decode_tok_s'] / r['llama.cpp_decode_tok_s'] for r in suite]):.2f}x "
+                "(above 1: verispec faster).", ""]
+    return out + [""]
+
+
+def longcopy_section(bench: dict | None) -> list[str]:
+    out = ["## A long copy: rewriting a 300-line file with one change", ""]
+    if bench is None:
+        return out + missing("long-copy prompt", "bash docs/reproduce.sh")
+    out += [f"Command: `{command_line(bench)}` ([report](results/bench-longcopy.md)). Environment: "
+            f"{env_line(bench)}. The prompt ([docs/prompts/long-copy.jsonl](prompts/long-copy.jsonl)) asks for "
+            "a 301-line Python file back with one function renamed; tokens/s include the prefill of the "
+            "~3,000-token prompt.", ""]
+    rows = [r for r in bench["summary"] if r["category"] == "all"]
+    out += table(["mode", "tok/s", "speedup", "acceptance", "τ", "same as plain"],
+                 [[r["mode"], f(r["tokens_per_s"]), f(r["speedup"], "%.2fx"), f(r.get("acceptance_rate")),
+                   f(r.get("tau")), same(r)] for r in rows])
+    runs = [r for r in bench["runs"] if r["mode"] != "plain"]
+    if runs:
+        hist = runs[0]["spec"].get("k_histogram", {})
+        out += ["", "K per round (ngram, auto): " + ", ".join(f"K = {k}: {n}" for k, n in
+                                                            sorted(hist.items(), key=lambda kv: int(kv[0]))), ""]
+    return out + [""]
 
 
 def serving_section(load: dict | None, current_kernel: str | None = None) -> list[str]:
@@ -320,10 +387,11 @@ def serving_section(load: dict | None, current_kernel: str | None = None) -> lis
     return out
 
 
-def verify_section(report: dict | None) -> list[str]:
+def verify_section(report: dict | None, current: dict | None = None) -> list[str]:
     out = ["## Losslessness certificate on the real pair", ""]
     if report is None:
         return out + missing("verify", "bash docs/reproduce.sh")
+    out += provenance(report, current)
     out += [f"Command: `{command_line(report)}`.", "",
             f"Verdict: **{report['verdict']}** (Bonferroni threshold p < {report['threshold']:.2g}; the run "
             f"detects biases of total variation ≳ {report['resolution_tv']:.3f}).", ""]
@@ -339,20 +407,24 @@ def main() -> None:
            "by hand. `bash docs/reproduce.sh` reruns every measurement (about an hour and a half on the reference "
            "machine) and then this script. The history of changes and what each did is in "
            "[PERFORMANCE_LOG.md](PERFORMANCE_LOG.md).", "",
-           "Reference machine: 2 cores (AMD EPYC, AVX2, no AVX-512), 24 GiB, no GPU, 2 threads. Timings on "
+           "Machines: 2 cores, 24 GiB, no GPU, 2 threads — either a Zen 3 EPYC with AVX2 only or a Zen 4 EPYC "
+           "with AVX-512 VNNI; every section names the CPU, its vector extensions and the kernel build that "
+           "made it, and sections measured on another machine kind or an earlier build say so. Timings on "
            "shared machines are noisy: compare ratios measured in one run, not absolute times across runs.", ""]
-    out += suite_section(load("bench-suite.json"))
-    out += fixedk_section(load("bench-fixedk.json"))
+    suite = load("bench-suite.json")
+    out += suite_section(suite)
+    out += fixedk_section(load("bench-fixedk.json"), suite)
     out += costs_section(load("profile.json"))
-    out += ksweep_section(load("bench-ksweep.json"))
-    out += batch_section(load("bench-batch.json"))
-    out += peer_section(load("bench-peer.json"))
-    out += llamacpp_section(load("bench-llamacpp.json"))
+    out += ksweep_section(load("bench-ksweep.json"), suite)
+    out += batch_section(load("bench-batch.json"), suite)
+    out += peer_section(load("bench-peer.json"), suite)
+    out += llamacpp_section(load("bench-llamacpp.json"), suite)
+    out += ttft_section(load("llamacpp-ttft.json"))
+    out += longcopy_section(load("bench-longcopy.json"))
     out += formats_section(load("formats.json"))
     out += kernel_section(load("kernel.json"))
-    suite = load("bench-suite.json")
     out += serving_section(load("loadtest.json"), suite and suite.get("environment", {}).get("kernel", suite.get("environment", {}).get("int8_kernel")))
-    out += verify_section(load("verify.json"))
+    out += verify_section(load("verify.json"), suite)
     (DOCS / "PERFORMANCE.md").write_text("\n".join(out).rstrip() + "\n")
     print(f"wrote {DOCS / 'PERFORMANCE.md'}")
 

@@ -1,13 +1,14 @@
-"""The int8 kernel at the 1.5B's shapes: milliseconds per layer and for the LM head by row count M,
-with the projections fused (one q/k/v and one gate/up matmul per layer, as the model runs them)
-and apart, timed alternately in one process (each first in every other round).
+"""The matmul kernels alone at the 1.5B's shapes: milliseconds for a whole model's linears (28 layers'
+q/k/v, o, gate/up and down, plus the LM head) by row count M, for each instruction-set variant this
+CPU runs and each weight format (int8; int4 for the layers, int8 for the LM head), timed alternately
+in one process (the order rotates every round).
 
-    python docs/measure_kernel.py [--layers 8] [--repeats 15] [--out docs/results/kernel.json]
+    python docs/measure_kernel.py [--layers 8] [--repeats 9] [--out docs/results/kernel.json]
 
-Random int8 weights in the kernel's packed layout, `--layers` layers' worth (more than the L3 cache,
-so every pass streams its weights from memory as a real decode step does); the median over
-`--repeats` passes. A whole-model figure is 28 × layer + LM head (attention, norms and the rest of
-the pass excluded: `verispec profile` measures those too).
+Random weights in the kernels' packed layouts, `--layers` layers' worth (more than the L3 cache, so
+every pass streams its weights from memory as a real decode step does); the median over `--repeats`
+passes, scaled to 28 layers. Attention, norms and the rest of a pass are excluded (`verispec
+profile` measures whole passes).
 """
 
 from __future__ import annotations
@@ -23,49 +24,63 @@ import torch
 from verispec import kernels
 
 HIDDEN, INTER, KV, VOCAB, LAYERS = 1536, 8960, 256, 151936, 28
-APART = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)]
-FUSED = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+SHAPES = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
 
 
-def weights(shapes: list[tuple[int, int]], layers: int, gen: torch.Generator) -> list:
-    return [(kernels.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)), torch.rand(n), k)
-            for _ in range(layers) for n, k in shapes]
+def layer_weights(fmt: str, layers: int, gen: torch.Generator) -> list:
+    out = []
+    for _ in range(layers):
+        for n, k in SHAPES:
+            if fmt == "int8":
+                out.append(("int8", kernels.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)),
+                            torch.rand(n, generator=gen), k))
+            else:
+                q = torch.randint(0, 16, (n, k), generator=gen)
+                out.append(("int4", *kernels.pack_int4(q, torch.rand(n, k // 32, generator=gen) * 0.01,
+                                                        -torch.rand(n, k // 32, generator=gen) * 0.08), k))
+    return out
+
+
+def run(native, weights, x) -> None:
+    for w in weights:
+        if w[0] == "int8":
+            native.int8_gemm(x[w[3]], w[1], w[2])
+        else:
+            native.int4_gemm(x[w[4]], w[1], w[2], w[3])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--rows", default="1,2,3,4,5,6,8")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--rows", default="1,2,3,5,8,16")
     ap.add_argument("--out", default=None, help="write the numbers as JSON here")
     args = ap.parse_args()
     if not kernels.available():
         raise SystemExit(f"the native kernel is not available here: {kernels.kernel_status()}")
     gen = torch.Generator().manual_seed(0)
-    sets = {"fused": weights(FUSED, args.layers, gen), "apart": weights(APART, args.layers, gen)}
-    head = (kernels.pack_int8(torch.randint(-127, 128, (VOCAB, HIDDEN), dtype=torch.int8, generator=gen)),
-            torch.rand(VOCAB))
-    result = {"threads": torch.get_num_threads(), "kernel": kernels.kernel_status(), "rows": {}}
-    print(f"{'M':>3} {'fused ms/layer':>15} {'apart ms/layer':>15} {'LM head ms':>11} {'model ms':>9} {'× M=1':>6}")
+    weights = {fmt: layer_weights(fmt, args.layers, gen) for fmt in ("int8", "int4")}
+    head = ("int8", kernels.pack_int8(torch.randint(-127, 128, (VOCAB, HIDDEN), dtype=torch.int8, generator=gen)),
+            torch.rand(VOCAB), HIDDEN)
+    variants = {v: kernels.load_variant(v) for v in kernels.supported_variants()}
+    combos = [(v, f) for v in variants for f in weights]
+    result = {"threads": torch.get_num_threads(), **kernels.machine(), "rows": {}}
+    print(f"{'M':>3} " + " ".join(f"{v + ' ' + f:>18}" for v, f in combos) + "   (ms, 28 layers + LM head)")
     for m in [int(r) for r in args.rows.split(",")]:
         x = {HIDDEN: torch.randn(m, HIDDEN), INTER: torch.randn(m, INTER)}
-        times = {"fused": [], "apart": [], "head": []}
+        times = {c: [] for c in combos}
         for r in range(args.repeats):
-            # Alternate which set runs first: the second of a pair measured 5–8 % faster either way.
-            for name, ws in (list(sets.items()) if r % 2 == 0 else list(sets.items())[::-1]):
+            for c in combos[r % len(combos):] + combos[:r % len(combos)]:
+                native = variants[c[0]]
                 t = time.perf_counter()
-                for w, s, k in ws:
-                    kernels.int8_gemm(x[k], w, s)
-                times[name].append((time.perf_counter() - t) / args.layers)
-            t = time.perf_counter()
-            kernels.int8_gemm(x[HIDDEN], *head)
-            times["head"].append(time.perf_counter() - t)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        model = LAYERS * med["fused"] + med["head"]
-        result["rows"][m] = med | {"model": model}
-        base = result["rows"][min(result["rows"])]["model"]
-        print(f"{m:>3} {med['fused'] * 1e3:>15.2f} {med['apart'] * 1e3:>15.2f} {med['head'] * 1e3:>11.2f} "
-              f"{model * 1e3:>9.1f} {model / base:>6.2f}")
+                run(native, weights[c[1]], x)
+                layers = (time.perf_counter() - t) / args.layers
+                t = time.perf_counter()
+                run(native, [head], x)
+                times[c].append(LAYERS * layers + time.perf_counter() - t)
+        med = {f"{v} {f}": statistics.median(times[(v, f)]) for v, f in combos}
+        result["rows"][m] = med
+        print(f"{m:>3} " + " ".join(f"{med[f'{v} {f}'] * 1e3:>18.1f}" for v, f in combos))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 

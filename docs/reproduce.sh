@@ -27,9 +27,12 @@ verispec bench --peer hf --modes ngram --ks auto --limit 3 --max-tokens 24 \
 python -c "import llama_cpp" 2>/dev/null || pip install -e '.[llamacpp]'
 verispec bench --peer llamacpp --modes ngram,hybrid --ks auto --max-tokens 64 \
     --json $R/bench-llamacpp.json --markdown $R/bench-llamacpp.md
+# A long copy: a 301-line file returned with one rename (about 5 minutes).
+verispec bench --prompts docs/prompts/long-copy.jsonl --modes ngram --ks auto --temperatures 0 --max-tokens 4000 \
+    --json $R/bench-longcopy.json --markdown $R/bench-longcopy.md
 # Weight formats: decode speed, quality against fp32, peak RSS of the pair.
 python docs/measure_formats.py --out $R/formats.json
-# The int8 kernel alone at the 1.5B's shapes, by row count, fused and apart.
+# The matmul kernels alone at the 1.5B's shapes, by row count, each ISA variant and format.
 python docs/measure_kernel.py --out $R/kernel.json
 # Losslessness certificate on the real pair (0.5B drafts for the 1.5B, K = 4, T = 0.8).
 verispec verify --draft qwen2.5-coder-0.5b-instruct --k 4 --samples 600 --json $R/verify.json > $R/verify.txt

@@ -138,3 +138,16 @@ def test_piped_input_is_one_message_per_line(model_dir):
     assert len(lines) == 2 + 3 and "session: 10 tokens" in proc.stdout     # two replies, then /stats
     assert "\x1b[" not in proc.stdout                                      # not a terminal: no colour
     assert re.search(r"\d+ reused", proc.stdout)
+
+
+def test_a_chat_template_that_does_not_compile_is_refused_at_load(model_dir, tmp_path):
+    import shutil
+
+    from verispec.errors import InvalidModelFile
+    from verispec.loaders.resolve import load_model
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken, ignore=shutil.ignore_patterns("cache"))
+    (broken / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}{{ m"}))
+    with pytest.raises(InvalidModelFile, match="chat template does not compile"):
+        load_model(str(broken), dtype="float32")

@@ -253,9 +253,9 @@ def test_attention_fallback_loop_matches_the_kernel(monkeypatch):
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_every_variant_gives_the_same_bits():
-    """The variants differ in vector width only: the same integer sums and fp32 steps, the same bits —
-    a result on an AVX-512 machine equals the one on an AVX2 machine."""
+def test_every_variant_gives_the_same_matmul_bits():
+    """The matmul variants differ in vector width only: the same integer sums and fp32 steps, the same
+    bits — a matmul on an AVX-512 machine equals the one on an AVX2 machine."""
     libs = []
     for name in kernels.supported_variants():
         try:
@@ -278,9 +278,10 @@ def test_every_variant_gives_the_same_bits():
         assert torch.equal(other.int4_gemm(x, layer.packed, layer.scales, layer.mins), first)
     q, kv = torch.randn(2, 12, 5, 128), torch.randn(2, 2, 300, 128)
     positions = torch.stack([torch.arange(290, 295), torch.arange(10, 15)])
+    # Attention sums in 16 lanes on AVX-512 and 8 on AVX2: the same values to float rounding.
     first = libs[0].attend_rows(q, kv, kv * 0.5, positions, 0.1)
     for other in libs[1:]:
-        assert torch.equal(other.attend_rows(q, kv, kv * 0.5, positions, 0.1), first)
+        torch.testing.assert_close(other.attend_rows(q, kv, kv * 0.5, positions, 0.1), first, rtol=1e-5, atol=1e-6)
 
 
 def test_the_best_supported_variant_is_active_and_named():

@@ -98,3 +98,23 @@ def test_unwarped_q_is_detected():
     Q_warped = warp_table(raw_q, temperature=0.5, top_k=3)
     tokens = run_speculative(P, Q_warped, k, N_TOKENS, SAMPLES, seed=5, q_for_acceptance=torch.softmax(raw_q, -1))
     assert is_biased(P, tokens)
+
+
+def test_a_truncated_draft_vocabulary_stays_exact_and_a_truncated_verifier_is_caught():
+    """q is zero on part of p's support (a draft that may propose only 5 of the 8 tokens): the output
+    still follows p, because rejections recover from norm(max(0, p − q)), which covers the rest.
+    Broken on purpose: verifying over the truncated vocabulary too (p restricted to the subset and
+    renormalised) — the test then sees the bias."""
+    k = 3
+    keep = torch.tensor([0, 2, 3, 5, 7])
+    logits_q = random_tables(12, N_TOKENS + k + 1, V)
+    off = torch.ones(V, dtype=torch.bool)
+    off[keep] = False
+    logits_q[..., off] = float("-inf")
+    P = torch.softmax(random_tables(13, N_TOKENS + k + 1, V), -1)
+    Q = torch.softmax(logits_q, -1)
+    assert_matches_target(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=14))
+    P_truncated = P.clone()
+    P_truncated[..., off] = 0.0
+    P_truncated /= P_truncated.sum(-1, keepdim=True)
+    assert is_biased(P, run_speculative(P_truncated, Q, k, N_TOKENS, SAMPLES, seed=14))

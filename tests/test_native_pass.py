@@ -61,7 +61,7 @@ def test_native_pass_matches_torch_layers_on_a_static_cache(shape):
             advance(c, [0, 2], chunks)
     for store in ("k", "v"):                                                  # written at the same places
         a, b = getattr(caches[True], store), getattr(caches[False], store)
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=5e-4 * b.abs().max().item())
     assert getattr(caches[True], "k")[:, 1].abs().sum() == 0                 # slot 1 untouched
 
 
@@ -84,7 +84,7 @@ def test_native_pass_reads_and_writes_paged_blocks_in_place():
         torch.testing.assert_close(out[True], out[False], rtol=1e-3, atol=5e-4 * out[False].abs().max().item())
         for c in caches.values():
             advance(c, [7, 8], chunks)
-    torch.testing.assert_close(caches[True].k, caches[False].k, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(caches[True].k, caches[False].k, rtol=1e-3, atol=5e-4 * caches[False].k.abs().max().item())
     for unused in [0, 47, *order[38:]]:                                      # blocks in no table stay empty
         assert caches[True].k[:, unused].abs().sum() == 0
 
@@ -147,7 +147,8 @@ def test_models_that_do_not_qualify_keep_the_torch_layers():
 
 
 def test_every_kernel_variant_gives_the_same_native_pass():
-    """The decoder pass built for each instruction set this CPU runs gives the same bits."""
+    """The decoder pass built for each instruction set this CPU runs gives the same result, to float
+    rounding (attention sums in 16 lanes on AVX-512, 8 on AVX2); each is row-exact on its own."""
     names = kernels.supported_variants()
     if len(names) < 2:
         pytest.skip(f"this CPU runs only {names}: nothing to compare")
@@ -166,7 +167,8 @@ def test_every_kernel_variant_gives_the_same_native_pass():
                                            sin[:, 0].contiguous(), positions, view.layout())
         outs.append((x, cache.k.clone()))
     for x, k in outs[1:]:
-        assert torch.equal(x, outs[0][0]) and torch.equal(k, outs[0][1])
+        torch.testing.assert_close(x, outs[0][0], rtol=1e-3, atol=1e-3 * outs[0][0].abs().max().item())
+        torch.testing.assert_close(k, outs[0][1], rtol=1e-3, atol=1e-3 * outs[0][1].abs().max().item())
 
 
 def int4_mixed_model(seed: int = 0, **kw):

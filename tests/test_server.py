@@ -207,6 +207,41 @@ def test_malformed_bodies(server):
     assert r.status_code == 404 and "error" in r.json()
 
 
+def test_hostile_bodies_are_400_not_500(server, llm):
+    """Deep nesting, numbers too long to convert, lone surrogates (in the model name, a prompt, a
+    message) and a prompt too long to tokenize: each a 400 in OpenAI's shape, checked before the work."""
+    url = server.url + "/v1/completions"
+    bodies = [b'{"prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+              b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
+              b'{"model": "\\ud800", "prompt": "x"}', b'{"prompt": "a\\udfff b"}']
+    for raw in bodies:
+        r = httpx.post(url, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (raw[:60], r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(server.url + "/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "\\ud83d"}]}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    huge = "y" * (llm.context_length * 32 + 1)
+    r = httpx.post(url, json={"prompt": huge, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert httpx.post(url, json={"prompt": "still fine", "max_tokens": 2}).status_code == 200
+
+
+def test_a_chat_template_that_rejects_the_messages_is_a_400(server, llm, monkeypatch):
+    """Real templates call raise_exception(...) on, say, a wrong role order: that is the client's error."""
+    template = ("{% if messages[0].role != 'user' %}{{ raise_exception('conversations must start with a user') }}"
+                "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    monkeypatch.setattr(llm.tokenizer, "chat_template", template)
+    monkeypatch.setattr(llm.tokenizer, "_template", None)
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"messages": [{"role": "assistant", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 400 and "must start with a user" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                              "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    monkeypatch.setattr(llm.tokenizer, "_template", None)
+
+
 def test_unknown_fields_are_ignored(client):
     out = client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0,
                                     extra_body={"frequency_penalty": 0, "user": "me", "best_of": 1})

@@ -92,7 +92,8 @@ def run(args) -> int:
                                 longest + args.max_tokens + 16, torch.get_num_threads())
     with progress_bar() as progress:
         result = run_bench(target, draft, prompts, modes, _floats(args.temperatures), args.max_tokens,
-                           args.repeats, _ints(args.batch_sizes), peers=peers, progress=progress)
+                           args.repeats, _ints(args.batch_sizes), peers=peers, progress=progress,
+                           draft_vocab=args.draft_vocab)
     result["command"] = invocation()
     print_summary(result)
     if args.plot:

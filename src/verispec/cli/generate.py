@@ -65,6 +65,10 @@ def add_model_args(p) -> None:
                         "bfloat16, int8 (int8 weights per channel, activations rounded to 16 bits per token "
                         "inside the native kernel; float32 elsewhere), or int4 (linears already on a 4-bit grid, "
                         "as Q4_K GGUF tensors are, in int4 with fp16 group scales; the others int8)")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="let the draft model propose only the N most frequent tokens (its LM head reads N rows "
+                        "instead of all; output unchanged: the target verifies over its whole vocabulary). "
+                        "0 = the full vocabulary (default)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
 
 
@@ -83,7 +87,7 @@ def build_llm(args):
     from verispec import LLM
 
     return LLM(model=args.model, draft=args.draft, proposer=args.proposer, k=args.k, dtype=args.dtype,
-               device=args.device, progress=True, corpus=args.corpus)
+               device=args.device, progress=True, corpus=args.corpus, draft_vocab=args.draft_vocab)
 
 
 def run(args) -> int:

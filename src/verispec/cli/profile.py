@@ -47,6 +47,11 @@ def run(args) -> int:
                                                      file=sys.stderr, flush=True))
     print(file=sys.stderr)
     c_q = {"draft": pass_cost(draft.model, 1, args.context)}
+    if 0 < args.draft_vocab < draft.config.vocab_size:
+        from verispec.proposers.draft_vocab import frequent_tokens
+
+        vocab = frequent_tokens(draft.tokenizer, args.draft_vocab, draft.config.vocab_size)
+        c_q[f"draft/{args.draft_vocab}"] = pass_cost(draft.model, 1, args.context, vocab=vocab)
     tokens = list(range(50)) * (args.context // 50 + 1)
     t = time.perf_counter()
     for _ in range(100):

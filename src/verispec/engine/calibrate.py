@@ -25,7 +25,7 @@ CALIBRATION_WIDTHS = (2, 3, 4, 5, 6, 8, 12, 17, 24, 33, 48, 65)
 
 
 def pass_costs(model: Transformer, widths: list[int], context: int = 128, repeats: int = 5,
-                on_round=None) -> dict[int, float]:
+                on_round=None, vocab: torch.Tensor | None = None) -> dict[int, float]:
     """Median seconds of one forward pass over n new tokens after `context` cached tokens, logits
     for all n rows (what a verify pass computes), for each n in widths.
 
@@ -42,7 +42,8 @@ def pass_costs(model: Transformer, widths: list[int], context: int = 128, repeat
         for n in widths:
             new_pos = torch.arange(context, context + n)[None]
             t = time.perf_counter()
-            model.logits(model(ids[:, context:context + n], new_pos, cache.view([0], new_pos)), torch.arange(n)[None])
+            model.logits(model(ids[:, context:context + n], new_pos, cache.view([0], new_pos)), torch.arange(n)[None],
+                         vocab)
             if r:
                 times[n].append(time.perf_counter() - t)
         if on_round:
@@ -50,9 +51,10 @@ def pass_costs(model: Transformer, widths: list[int], context: int = 128, repeat
     return {n: statistics.median(v) for n, v in times.items()}
 
 
-def pass_cost(model: Transformer, n: int, context: int = 128, repeats: int = 5) -> float:
-    """pass_costs for one width."""
-    return pass_costs(model, [n], context, repeats)[n]
+def pass_cost(model: Transformer, n: int, context: int = 128, repeats: int = 5,
+              vocab: torch.Tensor | None = None) -> float:
+    """pass_costs for one width (vocab: logits for these token ids only, a truncated draft's)."""
+    return pass_costs(model, [n], context, repeats, vocab=vocab)[n]
 
 
 def c_p_at(c_p: dict[int, float], n: int) -> float:

@@ -90,7 +90,7 @@ class LLM:
     def __init__(self, model: str | Transformer = DEFAULT_TARGET, draft: str | Transformer | None = None, proposer: str | None = None,
                  k: int | str = "auto", dtype: str = "auto", device: str = "cpu", max_batch: int = 32,
                  progress: bool = False, ngram_n: tuple[int, int] = (3, 1), k_max: int = K_MAX,
-                 corpus: Seq[str | os.PathLike] | Seq[list[int]] | None = None):
+                 corpus: Seq[str | os.PathLike] | Seq[list[int]] | None = None, draft_vocab: int = 0):
         if proposer is not None and proposer not in REGISTRY:
             raise VerispecError(f"unknown proposer {proposer!r}; choose one of {', '.join(sorted(REGISTRY))}")
         if k != "auto" and (not isinstance(k, int) or not 0 <= k <= K_MAX):
@@ -108,6 +108,7 @@ class LLM:
             self.draft = _load(draft if draft is not None else DEFAULT_DRAFT, dtype, device, progress)
             check_vocab_compatible(self.target, self.draft)
         self.proposer_name = proposer
+        self.draft_vocab = self._draft_vocab(draft_vocab)
         self.corpus_index = self._build_index(corpus) if proposer == "retrieval" else None
         self.k = k if proposer != "none" else 0
         self.policy = KPolicy(self.k, k_max)
@@ -141,12 +142,30 @@ class LLM:
             raise VerispecError("a text corpus needs a model with a tokenizer; pass token lists instead")
         return CorpusIndex([self.tokenizer.encode(text) for text in read_corpus(corpus)])
 
+    def _draft_vocab(self, n: int) -> torch.Tensor | None:
+        """The truncated draft vocabulary (proposers/draft_vocab.py), or None for the full one."""
+        if not isinstance(n, int) or n < 0:
+            raise VerispecError(f"draft_vocab must be 0 (the full vocabulary) or a positive integer, got {n!r}")
+        if n == 0:
+            return None
+        if self.draft is None:
+            raise VerispecError("a draft vocabulary needs a draft model (--proposer draft or hybrid)")
+        vocab = min(self.target.config.vocab_size, self.draft.config.vocab_size)
+        if n >= vocab:
+            return None
+        if self.tokenizer is None:
+            raise VerispecError("a truncated draft vocabulary is counted with the model's tokenizer; this model has none")
+        from verispec.proposers.draft_vocab import frequent_tokens
+
+        return frequent_tokens(self.tokenizer, n, vocab)
+
     def make_proposer(self) -> Proposer:
         factory = REGISTRY[self.proposer_name]
         if self.proposer_name == "draft":
-            return factory(self.draft.model, self.target.config.vocab_size)
+            return factory(self.draft.model, self.target.config.vocab_size, self.draft_vocab)
         if self.proposer_name == "hybrid":
-            return factory(self.draft.model, self.target.config.vocab_size, *self._ngram_n, k_max=self.policy.k_max)
+            return factory(self.draft.model, self.target.config.vocab_size, *self._ngram_n, k_max=self.policy.k_max,
+                           vocab=self.draft_vocab)
         if self.proposer_name == "ngram":
             return factory(*self._ngram_n, k_max=self.policy.k_max)
         if self.proposer_name == "retrieval":

@@ -28,10 +28,12 @@ class ModelRunner:
         """A factory of runners over static caches of num_slots × max_len (Proposer.start's argument)."""
         return lambda model: cls(model, num_slots, max_len)
 
-    def forward(self, slots: list[int], chunks: list[list[int]], rows: list[list[int]] | None) -> torch.Tensor | None:
+    def forward(self, slots: list[int], chunks: list[list[int]], rows: list[list[int]] | None,
+                vocab: torch.Tensor | None = None) -> torch.Tensor | None:
         """Feed chunks[b] at positions length(slot_b) … and return logits at rows[b] (indices into
         the chunk), shape (B, R, V) with R = max len(rows[b]) (short rows repeat their last index).
 
+        vocab: logits for these token ids only, (B, R, N) (a truncated draft vocabulary).
         Chunks are right-padded; padding writes only beyond each sequence's real tokens, which the
         next pass overwrites and no real query can see. Does not move the length pointers.
         """
@@ -48,7 +50,7 @@ class ModelRunner:
             return None
         r = max(len(x) for x in rows)
         idx = torch.tensor([x + [x[-1]] * (r - len(x)) for x in rows], dtype=torch.long, device=device)
-        return self.model.logits(hidden, idx)                                     # (B, R, V)
+        return self.model.logits(hidden, idx, vocab)                              # (B, R, V or N)
 
     def prefill(self, slots: list[int], token_lists: list[list[int]], chunk: int = 512) -> None:
         """Write token_lists[b][:-1] into the cache (the last token stays pending), in chunks so a

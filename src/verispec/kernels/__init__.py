@@ -9,9 +9,9 @@ instruction-set variant (`VARIANTS`, best first): `avx512vnni` (AVX-512 F/BW/VL/
 matmul on 512-bit vectors with `vpdpwssd`) and `avx2` (AVX2 + FMA). At first use the best variant this
 CPU supports is built into `$VERISPEC_CACHE/kernels/` (about a second with gcc; the file name hashes
 the source, the compiler and the variant's flags) and opened with ctypes; `VERISPEC_KERNEL_ISA=avx2`
-picks a lower one. Every variant gives the same bits: its integer sums are exact and its fp32 steps
-are the same operations in the same order (tested), so a results file made on one machine kind and
-a test on another agree. The OpenMP pool is the one torch already loaded (same `libgomp.so.1`), so
+picks a lower one. The matmuls give the same bits in every variant (exact integer sums, the same fp32
+steps in the same order; tested); attention sums in 16 lanes on AVX-512 and 8 on AVX2, so whole
+passes agree to float rounding across variants — and bit for bit across row counts within one. The OpenMP pool is the one torch already loaded (same `libgomp.so.1`), so
 the two never fight for cores. Without a compiler, without AVX2/FMA, or with VERISPEC_KERNELS=off,
 `available()` is False and callers use torch's own kernels. `kernel_status()` says which and why;
 `machine()` names the CPU and its vector extensions for results files.

@@ -8,9 +8,34 @@
  * once for all G heads (G independent FMA chains). Per head: scores in order over s, softmax (max,
  * exp, sum in 8 lanes then across them), then Σ_s p_s · v_s in order — a fixed sequence of operations
  * that depends only on that row's query and prefix, never on how many rows share the pass or how the
- * cache is laid out, so a K+1 verify row equals a 1-token decode step bit for bit.
+ * cache is laid out, so a K+1 verify row equals a 1-token decode step bit for bit. The AVX-512 build
+ * uses 16-wide vectors for the dot products and the value mix (the AVX2 build 8-wide).
  */
 #include "kernels.h"
+
+#if defined(__AVX512F__)
+/* AVX-512: 16 dimensions per FMA. The sums run in another order than AVX2's 8 lanes, so the two
+   variants differ in the last bits here (each is row-exact on its own). */
+#define VL 16
+typedef __m512 vec;
+#define vzero _mm512_setzero_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vfma _mm512_fmadd_ps
+#define vmul _mm512_mul_ps
+#define vset1 _mm512_set1_ps
+#define vsum _mm512_reduce_add_ps
+#else
+#define VL 8
+typedef __m256 vec;
+#define vzero _mm256_setzero_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vfma _mm256_fmadd_ps
+#define vmul _mm256_mul_ps
+#define vset1 _mm256_set1_ps
+#define vsum hsum
+#endif
 
 /* G ≤ GMAX query rows qr[g] (each D floats) against keys 0 … p: w[g·SP + s] = scale · q_g · k_s. */
 static inline __attribute__((always_inline)) void scores(const float *const *qr, const int G, const kv_view *kv,
@@ -21,15 +46,15 @@ static inline __attribute__((always_inline)) void scores(const float *const *qr,
         long n = p + 1 - s0 < kv->bs ? p + 1 - s0 : kv->bs;
         for (long j = 0; j < n; j++) {
             const float *k = kb + j * D;
-            __m256 acc[GMAX];
-            for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
+            vec acc[GMAX];
+            for (int g = 0; g < G; g++) acc[g] = vzero();
             long d = 0;
-            for (; d + 8 <= D; d += 8) {
-                __m256 kvec = _mm256_loadu_ps(k + d);
-                for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qr[g] + d), kvec, acc[g]);
+            for (; d + VL <= D; d += VL) {
+                vec kvec = vload(k + d);
+                for (int g = 0; g < G; g++) acc[g] = vfma(vload(qr[g] + d), kvec, acc[g]);
             }
             for (int g = 0; g < G; g++) {
-                float v = hsum(acc[g]);
+                float v = vsum(acc[g]);
                 for (long dd = d; dd < D; dd++) v = fmaf(qr[g][dd], k[dd], v);
                 w[g * SP + s0 + j] = v * scale;
             }
@@ -65,24 +90,24 @@ static inline __attribute__((always_inline)) void mix_values(const float *w, lon
                                                              const kv_view *kv, const int64_t *table, long kh,
                                                              long p, long D, float *const *out) {
     long d = 0;
-    for (; d + 16 <= D; d += 16) {
-        __m256 acc[GMAX][2];
-        for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+    for (; d + 2 * VL <= D; d += 2 * VL) {
+        vec acc[GMAX][2];
+        for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = vzero();
         for (long s0 = 0; s0 <= p; s0 += kv->bs) {
             const float *vb = kv->v + table[s0 / kv->bs] * kv->blk_stride + kh * kv->head_stride;
             long n = p + 1 - s0 < kv->bs ? p + 1 - s0 : kv->bs;
             for (long j = 0; j < n; j++) {
-                __m256 v0 = _mm256_loadu_ps(vb + j * D + d), v1 = _mm256_loadu_ps(vb + j * D + d + 8);
+                vec v0 = vload(vb + j * D + d), v1 = vload(vb + j * D + d + VL);
                 for (int g = 0; g < G; g++) {
-                    __m256 ws = _mm256_broadcast_ss(w + g * SP + s0 + j);
-                    acc[g][0] = _mm256_fmadd_ps(ws, v0, acc[g][0]);
-                    acc[g][1] = _mm256_fmadd_ps(ws, v1, acc[g][1]);
+                    vec ws = vset1(w[g * SP + s0 + j]);
+                    acc[g][0] = vfma(ws, v0, acc[g][0]);
+                    acc[g][1] = vfma(ws, v1, acc[g][1]);
                 }
             }
         }
         for (int g = 0; g < G; g++) {
-            _mm256_storeu_ps(out[g] + d, _mm256_mul_ps(acc[g][0], _mm256_set1_ps(inv[g])));
-            _mm256_storeu_ps(out[g] + d + 8, _mm256_mul_ps(acc[g][1], _mm256_set1_ps(inv[g])));
+            vstore(out[g] + d, vmul(acc[g][0], vset1(inv[g])));
+            vstore(out[g] + d + VL, vmul(acc[g][1], vset1(inv[g])));
         }
     }
     for (; d < D; d++)

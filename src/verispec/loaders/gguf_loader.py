@@ -15,6 +15,7 @@ import torch
 from verispec.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from verispec.errors import InvalidModelFile, UnsupportedModel
 from verispec.loaders.checkpoint import expected_shapes
+from verispec.loaders.gguf_header import check_header
 
 try:
     import gguf
@@ -52,10 +53,9 @@ def hf_name(gguf_name: str) -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors we skip."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    if gguf_name.startswith("blk."):
-        _, layer, rest = gguf_name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
     return None
 
 
@@ -67,6 +67,7 @@ def open_reader(path: str | Path) -> "gguf.GGUFReader":
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise InvalidModelFile(path, "not a GGUF file (bad magic)")
+        check_header(path)                       # bounded: never hand the parser counts the file cannot hold
         return gguf.GGUFReader(path, "r")
     except InvalidModelFile:
         raise
@@ -78,17 +79,51 @@ def field(reader: "gguf.GGUFReader", key: str, default: Any = None) -> Any:
     f = reader.get_field(key)
     if f is None:
         return default
-    value = f.contents()
-    return value
+    try:
+        return f.contents()
+    except Exception:                            # invalid UTF-8 and other undecodable values
+        return _Undecodable(key)
+
+
+class _Undecodable:
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _integer(value: Any, key: str, path: Path, lo: int, hi: int) -> int:
+    """A metadata value that must be an integer in [lo, hi] (not a bool, string, float or NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= int(value) <= hi:
+        raise InvalidModelFile(path, f"metadata {key} must be an integer in {lo} … {hi}, got {_show(value)}")
+    return int(value)
+
+
+def _real(value: Any, key: str, path: Path, lo: float, hi: float) -> float:
+    """A metadata value that must be a finite number in (lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(value) or not lo < float(value) <= hi:
+        raise InvalidModelFile(path, f"metadata {key} must be a finite number in ({lo}, {hi}], got {_show(value)}")
+    return float(value)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, _Undecodable):
+        return "an undecodable value"
+    text = repr(value)
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text[:60] + ("…" if len(text) > 60 else "")
 
 
 def read_config(reader: "gguf.GGUFReader", path: Path) -> ModelConfig:
+    """The architecture from the metadata, every value type- and range-checked (and checked against the
+    tensors the file holds) before anything is sized from it."""
     arch = field(reader, "general.architecture")
     if arch is None:
         raise InvalidModelFile(path, "missing general.architecture")
+    if not isinstance(arch, str):
+        raise InvalidModelFile(path, f"general.architecture must be a string, got {_show(arch)}")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModel(
-            f"{path}: unsupported architecture {arch!r}; verispec runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{path}: unsupported architecture {_show(arch)}; verispec runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
 
     def need(key: str) -> Any:
@@ -97,24 +132,39 @@ def read_config(reader: "gguf.GGUFReader", path: Path) -> ModelConfig:
             raise InvalidModelFile(path, f"missing metadata {arch}.{key}")
         return value
 
+    def integer(key: str, lo: int, hi: int, default: Any = None) -> int:
+        value = need(key) if default is None else field(reader, f"{arch}.{key}", default)
+        return _integer(value, f"{arch}.{key}", path, lo, hi)
+
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise InvalidModelFile(path, "missing tensor token_embd.weight")
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    vocab = int(tensors["token_embd.weight"].shape[1]) if len(tensors["token_embd.weight"].shape) > 1 else 0
+    layers_present = {int(n.split(".")[1]) for n in tensors if hf_name(n) and n.startswith("blk.")}
+    hidden = integer("embedding_length", 1, 1 << 16)
+    heads = integer("attention.head_count", 1, 1 << 12)
+    kv_heads = integer("attention.head_count_kv", 1, heads, heads)
+    if heads % kv_heads:
+        raise InvalidModelFile(path, f"{heads} attention heads cannot share {kv_heads} KV heads evenly")
+    head_dim = integer("attention.key_length", 2, 1 << 12, hidden // heads if hidden % heads == 0 else 0)
+    layers = integer("block_count", 1, 1 << 12)
+    if layers > len(layers_present) or any(i >= layers for i in layers_present):
+        raise InvalidModelFile(path, f"block_count is {layers} but the file holds tensors of "
+                                     f"{len(layers_present)} layers")
+    shape = tensors["token_embd.weight"].shape
+    vocab = int(shape[1]) if len(shape) > 1 else 0
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        intermediate_size=integer("feed_forward_length", 1, 1 << 18),
+        num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        max_position_embeddings=int(field(reader, f"{arch}.context_length", 4096)),
-        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=integer("context_length", 1, 1 << 24, 4096),
+        rope_theta=_real(field(reader, f"{arch}.rope.freq_base", 10000.0), f"{arch}.rope.freq_base", path, 0.0, 1e12),
+        rms_norm_eps=_real(need("attention.layer_norm_rms_epsilon"), f"{arch}.attention.layer_norm_rms_epsilon",
+                           path, 0.0, 1.0),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
     )
@@ -134,6 +184,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     cfg = read_config(reader, path)
     want = expected_shapes(cfg)
     file_size = path.stat().st_size
+    alignment = _integer(field(reader, "general.alignment", 32), "general.alignment", path, 1, 1 << 16)
 
     chosen = {}
     for t in reader.tensors:
@@ -141,15 +192,17 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
         if name is None:
             continue
         if name not in want:
-            raise InvalidModelFile(path, f"unexpected tensor {t.name} for a {cfg.num_layers}-layer {cfg.architecture}")
+            raise InvalidModelFile(path, f"unexpected tensor {_show(t.name)} for a {cfg.num_layers}-layer {cfg.architecture}")
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         shape = tuple(s for s in shape if s != 1) if len(want[name]) == 1 else shape
         if shape != want[name]:
-            raise InvalidModelFile(path, f"tensor {t.name} has shape {shape}, expected {want[name]}")
+            raise InvalidModelFile(path, f"tensor {_show(t.name)} has shape {shape}, expected {want[name]}")
         if t.tensor_type not in SUPPORTED_TYPES:
             raise UnsupportedModel(f"{path}: tensor {t.name} uses type {t.tensor_type.name}, which verispec cannot dequantize")
-        if t.data_offset + t.n_bytes > file_size:
-            raise InvalidModelFile(path, f"tensor {t.name} extends past the end of the file (truncated?)")
+        start = int(t.data_offset)
+        if start < int(reader.data_offset) or start % alignment or start + int(t.n_bytes) > file_size:
+            raise InvalidModelFile(path, f"tensor {_show(t.name)} lies at a misaligned offset or outside the file's "
+                                         "data (truncated or corrupt?)")
         chosen[name] = t
     missing = sorted(set(want) - set(chosen))
     if missing:

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from verispec.config import ModelConfig
-from verispec.errors import InvalidModelFile, ModelNotFound, VerispecError
+from verispec.errors import InvalidModelFile, ModelNotFound, UnsupportedModel, VerispecError
 from verispec.loaders import builtin
 from verispec.loaders.checkpoint import build_model, build_quantized, check_state
 from verispec.loaders.tokenizer import TextTokenizer
@@ -85,6 +85,7 @@ def load_model(arg: str | Path, dtype: str | torch.dtype = "auto", device: str =
                                 f"({', '.join(builtin.BUILTIN_MODELS)})")
         if path.is_dir():
             model, tok = load_directory(path, torch_dtype, device, quant)
+            _check_template(tok, path)
             return LoadedModel(path.name, model, tok, path, time.perf_counter() - start, False)
         stat = path.stat()
         key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -97,7 +98,17 @@ def load_model(arg: str | Path, dtype: str | torch.dtype = "auto", device: str =
             _quantize_and_cache(model, quant, prepared)
     else:
         model, tok = load_directory(prepared, torch_dtype, device, quant)
+    _check_template(tok, path)
     return LoadedModel(name, model, tok, path, time.perf_counter() - start, cold)
+
+
+def _check_template(tok, path: Path) -> None:
+    """A chat template that does not compile fails the load, not every request that uses it."""
+    if tok is not None and tok.chat_template:
+        try:
+            tok.compiled_template()
+        except UnsupportedModel as err:
+            raise InvalidModelFile(path, str(err)) from None
 
 
 QUANT_LAYOUT = 5            # bump when a quantized model's saved layout changes (2: packed int8 blocks,

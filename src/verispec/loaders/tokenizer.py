@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from verispec.errors import UnsupportedModel
+from verispec.errors import InvalidRequest, UnsupportedModel
 
 # Pre-tokenizer split patterns by `tokenizer.ggml.pre` (as in the models' own tokenizer.json files).
 _SPLIT_PATTERNS = {
@@ -75,6 +76,7 @@ class TextTokenizer:
     stop_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     add_bos_token: bool = False
+    _template: object = field(default=None, init=False, repr=False, compare=False)   # compiled chat template
 
     @classmethod
     def from_files(cls, tokenizer_json: Path, info: dict) -> "TextTokenizer":
@@ -104,17 +106,50 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def compiled_template(self):
+        """The chat template compiled once in a sandbox; UnsupportedModel when there is none or it does
+        not compile (a model file's template is a stranger's code)."""
         if not self.chat_template:
             raise UnsupportedModel("this model has no chat template; use --raw to send the prompt as is")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=None)
+        if self._template is None:
+            if not isinstance(self.chat_template, str):
+                raise UnsupportedModel("the model's chat template is not a string")
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            try:
+                self._template = env.from_string(self.chat_template)
+            except jinja2.TemplateError as err:
+                raise UnsupportedModel(f"the model's chat template does not compile: {_one_line(err)}") from None
+        return self._template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation rendered by the model's template. A template that rejects the messages (its
+        raise_exception, say, on a wrong role order) or fails on them is an InvalidRequest."""
+        template = self.compiled_template()
+        try:
+            text = template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None)
+        except TemplateRejected as err:
+            raise InvalidRequest(f"the chat template rejected the messages: {err}", param="messages") from None
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError,
+                RecursionError) as err:
+            raise InvalidRequest(f"the chat template failed on these messages: {_one_line(err)}",
+                                 param="messages") from None
+        if not isinstance(text, str):
+            raise InvalidRequest("the chat template did not produce text", param="messages")
+        return text
+
+
+class TemplateRejected(Exception):
+    """raise_exception(...) called by a chat template."""
 
 
 def _raise(message: str):
-    raise ValueError(message)
+    raise TemplateRejected(_one_line(message))
+
+
+def _one_line(err) -> str:
+    text = " ".join(str(err).split())
+    return "".join(c if c.isprintable() else "?" for c in text)[:300]
 
 
 class IncrementalDecoder:

@@ -207,12 +207,33 @@ class Transformer(nn.Module):
         return self._native
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """hidden (B, T, C), rows (B, R) indices into T -> float32 logits (B, R, V).
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (B, T, C), rows (B, R) indices into T -> float32 logits (B, R, V), or (B, R, N) for the
+        N token ids in `vocab` only (a truncated draft vocabulary: the LM head reads N rows, not V).
 
         The final norm and LM head run only on the gathered rows: a verify pass asks for K+1,
         a decode step for 1, a prefill for the last prompt token.
         """
         idx = rows[..., None].expand(-1, -1, hidden.shape[-1])                 # (B, R, C)
         h = self.model.norm(torch.gather(hidden, 1, idx))
-        return self.lm_head(h).float()
+        head = self.lm_head if vocab is None else self._head_for(vocab)
+        return head(h).float()
+
+    def _head_for(self, vocab: torch.Tensor) -> nn.Module:
+        """The LM head restricted to the rows in vocab (built once per vocabulary)."""
+        key = (vocab.data_ptr(), vocab.numel(), type(self.lm_head).__name__)
+        if getattr(self, "_sub_head", (None,))[0] != key:
+            self._sub_head = (key, _select_rows(self.lm_head, vocab))
+        return self._sub_head[1]
+
+
+def _select_rows(head: nn.Module, vocab: torch.Tensor) -> nn.Module:
+    """A linear with only the output rows in vocab: float weights sliced; an int8 head re-quantized
+    from its own dequantized rows, which gives back the same integers and scales (per-row absmax)."""
+    from verispec.models.quant import Int8Linear
+
+    weight = head.dequantized() if hasattr(head, "dequantized") else head.weight.detach()
+    sub = nn.Linear(weight.shape[1], len(vocab), bias=False, dtype=weight.dtype)
+    with torch.no_grad():
+        sub.weight.copy_(weight[vocab])
+    return Int8Linear(sub) if isinstance(head, Int8Linear) else sub

@@ -22,9 +22,15 @@ from verispec.sampling import sample_from, warp_probs
 
 @register("draft")
 class DraftModelProposer(Proposer):
-    def __init__(self, draft: Transformer, target_vocab: int):
+    """vocab: a truncated draft vocabulary (N token ids, `draft_vocab.frequent_tokens`): the draft's LM
+    head reads only those N rows, and q is zero on every other token. Acceptance is unchanged and
+    stays exact — the target verifies over its full vocabulary, and a rejection recovers from
+    norm(max(0, p − q)), which covers every token the draft cannot propose."""
+
+    def __init__(self, draft: Transformer, target_vocab: int, vocab: torch.Tensor | None = None):
         self.draft = draft
         self.target_vocab = target_vocab
+        self.vocab = vocab
         self.runner: ModelRunner | None = None
         self.written: dict[int, int] = {}
 
@@ -68,17 +74,21 @@ class DraftModelProposer(Proposer):
         for i in range(k_max):
             active = [j for j in range(b) if ks[j] > i]
             slots = [seqs[j].slot for j in active]
-            logits = self._align(self.runner.forward(slots, [chunks[j] for j in active],
-                                                     [[len(chunks[j]) - 1] for j in active]))  # (A, 1, V)
+            logits = self.runner.forward(slots, [chunks[j] for j in active], [[len(chunks[j]) - 1] for j in active],
+                                         self.vocab)                                  # (A, 1, V or N)
+            logits = self._align(logits) if self.vocab is None else logits
             for j, c in zip(active, (chunks[j] for j in active)):
                 self.runner.cache.set_length(seqs[j].slot, self.runner.length(seqs[j].slot) + len(c))
             a = torch.tensor(active)
-            probs = warp_probs(logits, temp[a], top_k[a], top_p[a])[:, 0]        # (A, V)
+            probs = warp_probs(logits, temp[a], top_k[a], top_p[a])[:, 0]        # (A, V or N)
             picked = sample_from(probs, [gens[j] for j in active])
             greedy_rows = torch.tensor([greedy[j] for j in active])
             picked = torch.where(greedy_rows, logits[:, 0].argmax(-1), picked)
-            tokens[a, i] = picked
-            q[a, i] = probs
+            if self.vocab is None:
+                tokens[a, i], q[a, i] = picked, probs
+            else:                              # subset indices -> token ids; q is zero off the subset
+                tokens[a, i] = self.vocab[picked]
+                q[a[:, None], i, self.vocab[None, :]] = probs
             chunks = [[int(tokens[j, i])] if ks[j] > i else [] for j in range(b)]
         # The last proposal was never fed: the draft's cache now covers tokens + x̃_0 … x̃_{k-2}.
         self.written = {s.slot: self.runner.length(s.slot) for s in seqs}

@@ -16,8 +16,9 @@ from verispec.proposers.ngram import Lookups, match_source
 
 @register("hybrid")
 class HybridProposer(Proposer):
-    def __init__(self, draft: Transformer, target_vocab: int, n_max: int = 3, n_min: int = 1, k_max: int = 64):
-        self.draft = DraftModelProposer(draft, target_vocab)
+    def __init__(self, draft: Transformer, target_vocab: int, n_max: int = 3, n_min: int = 1, k_max: int = 64,
+                 vocab: torch.Tensor | None = None):
+        self.draft = DraftModelProposer(draft, target_vocab, vocab)
         self.target_vocab = target_vocab
         self.lookups = Lookups(n_max, n_min, k_max)
 

@@ -132,10 +132,12 @@ def create_app(config: ServerConfig, load: Callable[[], ServingEngine]) -> FastA
             raise ApiError(400, f"request body is not valid UTF-8 ({err.reason} at byte {err.start})",
                            "invalid_request_error", code="invalid_utf8") from None
         try:
-            body = json.loads(text)
+            body = protocol.parse_json(text)
         except json.JSONDecodeError as err:
             raise ApiError(400, f"request body is not valid JSON: {err.msg} (line {err.lineno}, column {err.colno})",
                            "invalid_request_error", code="invalid_json") from None
+        except InvalidRequest as err:
+            raise ApiError(400, str(err), "invalid_request_error", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object", "invalid_request_error", code="invalid_json")
         return body
@@ -186,13 +188,16 @@ def create_app(config: ServerConfig, load: Callable[[], ServingEngine]) -> FastA
         body = await read_json(request)
         llm = loop.engine.llm
         try:
+            limit = llm.context_length * protocol.MAX_CHARS_PER_TOKEN        # checked before tokenizing
             if kind == "chat":
                 parsed = protocol.parse_chat(body, config.default_max_tokens)
                 if llm.tokenizer is None or not llm.tokenizer.chat_template:
                     raise InvalidRequest("this model has no chat template; use /v1/completions", param="messages")
+                protocol.check_length([m["content"] for m in parsed.messages], limit, "messages")
                 prompts = [llm.encode(llm.chat_prompt(parsed.messages))]
             else:
                 parsed = protocol.parse_completion(body)
+                protocol.check_length([p for p in parsed.prompts if isinstance(p, str)], limit, "prompt")
                 prompts = [llm.encode(p) for p in parsed.prompts]
         except InvalidRequest as err:
             if err.param is None:

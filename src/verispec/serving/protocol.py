@@ -6,6 +6,8 @@ fields we do not use are accepted and ignored, as OpenAI clients send many.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,6 +18,66 @@ from verispec.errors import InvalidRequest
 MAX_N = 16
 MAX_STOP = 8
 MAX_PROMPTS = 64
+MAX_DEPTH = 32             # nesting of a request body (OpenAI's bodies need about 6)
+MAX_INT_DIGITS = 40        # an integer field with more digits than this is refused, not converted
+MAX_CHARS_PER_TOKEN = 32   # a prompt of more characters than context × this cannot fit: refused before tokenizing
+
+
+def parse_json(text: str):
+    """json.loads with the body's nesting and integer lengths checked first: a body nested 100,000 deep
+    or a 5,000-digit number is an InvalidRequest, not a RecursionError or a ValueError; so is a string
+    holding a lone surrogate (an escaped half of a UTF-16 pair, which no response could encode)."""
+    depth = _max_depth(text)
+    if depth > MAX_DEPTH:
+        raise InvalidRequest(f"request body nested {depth} levels deep (at most {MAX_DEPTH})")
+    body = json.loads(text, parse_int=_bounded_int)
+    _check_strings(body)
+    return body
+
+
+def _max_depth(text: str) -> int:
+    """Deepest nesting of [ and { outside strings."""
+    import numpy as np
+
+    bare = _STRINGS.sub('""', text).encode()
+    codes = np.frombuffer(bare, dtype=np.uint8)
+    opens = (codes == ord("[")) | (codes == ord("{"))
+    closes = (codes == ord("]")) | (codes == ord("}"))
+    steps = opens.astype(np.int32) - closes.astype(np.int32)
+    return int(np.cumsum(steps).max(initial=0))
+
+
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise InvalidRequest(f"a number in the request has {len(digits)} digits (at most {MAX_INT_DIGITS})")
+    return int(digits)
+
+
+def _check_strings(value) -> None:
+    """Every string (keys included) must encode as UTF-8: no lone surrogates."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest("a string in the request holds a lone UTF-16 surrogate (invalid Unicode)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k)
+            _check_strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            _check_strings(v)
+
+
+def check_length(texts: list[str], limit: int, param: str) -> None:
+    """Refuse text that could not fit the context whatever its tokens, before tokenizing it."""
+    total = sum(len(t) for t in texts)
+    if total > limit:
+        raise InvalidRequest(f"the {param} ({total} characters) cannot fit this model's context", param=param,
+                             code="context_length_exceeded")
 
 
 @dataclass

@@ -1,0 +1,88 @@
+"""A truncated draft vocabulary: the N token ids a draft model may propose (`--draft-vocab N`).
+
+A coder model writes mostly the same few thousand tokens; a draft whose LM head reads only those N
+rows spends less per step (the 0.5B's head is 136M of its 494M parameters). Which N: the most
+frequent tokens of a built-in text collection that every machine with Python has — the standard
+library's sources (code, docstrings, comments) — plus the bundled benchmark prompts, tokenized with
+the model's own tokenizer, and the tokens that stop generation (a draft must be able to propose the
+end). Counted once per tokenizer and N, kept in `$VERISPEC_CACHE/draft-vocab/`.
+
+Lossless by construction: q is zero off the subset and the target still verifies over its whole
+vocabulary (see `DraftModelProposer`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+COLLECTION_BYTES = 4 << 20        # how much of the standard library to count (sources in sorted order)
+
+
+def collection() -> list[str]:
+    """The texts counted: the bundled prompts, then standard-library sources up to COLLECTION_BYTES."""
+    from verispec.bench.suites import load_suite
+
+    texts = []
+    for p in load_suite(None):
+        texts.append(p.prompt or " ".join(m["content"] for m in p.messages))
+    used = 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "test" in path.parts or "site-packages" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        texts.append(text)
+        used += len(text)
+        if used >= COLLECTION_BYTES:
+            break
+    return texts
+
+
+def frequent_tokens(tokenizer, n: int, vocab_size: int) -> torch.Tensor:
+    """The n most frequent token ids (sorted, int64), stop tokens included, all below vocab_size."""
+    if not 1 <= n < vocab_size:
+        raise ValueError(f"a draft vocabulary of {n} tokens must be in 1 … {vocab_size - 1}")
+    from verispec.loaders.builtin import cache_dir
+
+    fingerprint = hashlib.sha256(tokenizer.tokenizer.to_str().encode()).hexdigest()[:16]
+    path = cache_dir() / "draft-vocab" / f"{fingerprint}-{n}.json"
+    try:
+        ids = json.loads(path.read_text())
+        if isinstance(ids, list) and len(ids) == n and all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
+            return torch.tensor(sorted(ids), dtype=torch.long)
+    except (OSError, ValueError):
+        pass
+    counts: Counter[int] = Counter()
+    for enc in tokenizer.tokenizer.encode_batch(collection(), add_special_tokens=False):
+        counts.update(enc.ids)
+    keep = [t for t in tokenizer.stop_token_ids if 0 <= t < vocab_size]
+    for t, _ in counts.most_common():
+        if len(keep) >= n:
+            break
+        if t < vocab_size and t not in keep:
+            keep.append(t)
+    for t in range(vocab_size):                       # a collection with fewer distinct tokens than n
+        if len(keep) >= n:
+            break
+        if t not in counts:
+            keep.append(t)
+    ids = sorted(keep[:n])
+    try:                                              # atomic: a concurrent writer never leaves half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(ids, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return torch.tensor(ids, dtype=torch.long)
