@@ -179,7 +179,8 @@ def costs_section(profile: dict | None) -> list[str]:
     c_p = {int(n): v for n, v in profile["c_p"].items()}
     base = c_p[1]
     out += ["Command: `verispec profile --json docs/results/profile.json` (one 1.5B pass over n new tokens "
-            f"after 128 cached, default format, median of repeats). Environment: {env_line(profile)}.", ""]
+            f"after 128 cached, median of repeats; format {profile.get('dtype')}, the CPU default int4). "
+            f"{machine_line(profile.get('environment', {}))}.", ""]
     ns = [n for n in (1, 2, 3, 4, 5, 6, 8, 9, 12, 16) if n in c_p]
     out += ["A 1-token pass is bound by reading the weights from memory; a wider pass by integer multiply "
             "throughput (one `vpdpwssd` — 32 multiply-adds — per 16 columns, 2 k and row on AVX-512 VNNI; one "
