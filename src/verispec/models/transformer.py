@@ -174,6 +174,7 @@ class Transformer(nn.Module):
         self.native_pass = True
         self._native: NativeDecoder | None = None
         self._native_key: tuple | None = None                                  # the weights it was built for
+        self._sub_head: tuple | None = None                                    # (key, LM head over a draft vocabulary)
         # load_state_dict takes checkpoint names (q_proj, …) as well as fused ones.
         self.register_load_state_dict_pre_hook(lambda module, state, prefix, *_: fuse_projections(state, prefix))
 
@@ -221,8 +222,8 @@ class Transformer(nn.Module):
 
     def _head_for(self, vocab: torch.Tensor) -> nn.Module:
         """The LM head restricted to the rows in vocab (built once per vocabulary)."""
-        key = (vocab.data_ptr(), vocab.numel(), type(self.lm_head).__name__)
-        if getattr(self, "_sub_head", (None,))[0] != key:
+        key = (vocab.data_ptr(), vocab.numel(), id(self.lm_head))
+        if self._sub_head is None or self._sub_head[0] != key:
             self._sub_head = (key, _select_rows(self.lm_head, vocab))
         return self._sub_head[1]
 
