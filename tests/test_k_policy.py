@@ -306,3 +306,30 @@ def test_width_ratios_are_measured_once_and_then_read_back(tmp_path, monkeypatch
     monkeypatch.undo()
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
     assert set(calibrate.width_ratios(model, "tiny", widths=(2, 4), repeats=1)) == {2, 4}
+
+
+def test_a_calibrated_draft_cost_keeps_a_dear_draft_from_drafting():
+    """Without a calibrated c_q a draft model starts as free and speculates until its own steps are
+    measured; calibrated at 0.6 of a target pass it does not draft where 70 % acceptance cannot pay."""
+    free, calibrated = KPolicy("auto"), KPolicy("auto")
+    for p in (free, calibrated):
+        p.costs.record_verify(1, 0.036)
+        p.costs.seed({2: 1.25, 3: 1.43, 5: 1.71, 9: 2.8})
+        p.shared[("draft", "greedy")] = [0.7] * p.k_max
+    calibrated.costs.seed_propose("draft", 0.6)
+    assert calibrated.costs.c_q("draft") == pytest.approx(0.6 * 0.036)
+    assert free.choose(0, "draft", remaining=100) > 0
+    assert calibrated.choose(0, "draft", remaining=100) == 0
+    calibrated.costs.record_propose("draft", 2, 2 * 0.0036)                # a measured step, much cheaper:
+    assert calibrated.costs.c_q("draft") == pytest.approx((0.6 * 0.036 + 0.0036) / 2)   # prior counts as one
+
+
+def test_draft_step_ratio_is_measured_once(tmp_path, monkeypatch):
+    from conftest import tiny_model
+    from verispec.engine import calibrate
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    ratio = calibrate.draft_step_ratio(tiny_model(0), tiny_model(1, num_layers=1), "tiny pair", repeats=1)
+    assert ratio > 0
+    monkeypatch.setattr(calibrate, "pass_cost", lambda *a, **k: pytest.fail("measured twice"))
+    assert calibrate.draft_step_ratio(tiny_model(0), tiny_model(1, num_layers=1), "tiny pair") == ratio

@@ -76,24 +76,44 @@ def width_ratios(model: Transformer, key: str, widths=CALIBRATION_WIDTHS, repeat
                  on_round=None) -> dict[int, float]:
     """c_p(n) / c_p(1) for each width, from the calibration file when it has `key` (with the machine's
     kernel build and threads added), else measured now and stored."""
+    def measure() -> dict[int, float]:
+        seconds = pass_costs(model, [1, *widths], repeats=repeats, on_round=on_round)
+        return {n: seconds[n] / seconds[1] for n in widths}
+
+    return {int(n): r for n, r in _calibrated(f"{key}|{','.join(map(str, widths))}", measure).items()}
+
+
+def draft_step_ratio(target: Transformer, draft: Transformer, key: str, repeats: int = 3) -> float:
+    """One draft step over one target step, measured alternately (calibration file as width_ratios)."""
+    def measure() -> dict[str, float]:
+        t, d = [], []
+        for _ in range(repeats):
+            t.append(pass_cost(target, 1, repeats=1))
+            d.append(pass_cost(draft, 1, repeats=1))
+        return {"ratio": statistics.median(d) / statistics.median(t)}
+
+    return _calibrated(f"draft step|{key}", measure)["ratio"]
+
+
+def _calibrated(key: str, measure) -> dict:
+    """The calibration file's entry for key (with the machine's CPU, kernel build and threads added),
+    or measure() now and store it."""
     from verispec.kernels import machine
     from verispec.loaders.builtin import cache_dir
 
     info = machine()
-    full_key = "|".join([key, info["cpu_model"], info["kernel"], f"{torch.get_num_threads()} threads",
-                         ",".join(map(str, widths))])
+    full_key = "|".join([key, info["cpu_model"], info["kernel"], f"{torch.get_num_threads()} threads"])
     path = cache_dir() / "calibration.json"
     try:
         stored = json.loads(path.read_text())
-        ratios = {int(n): float(r) for n, r in stored[full_key].items()}
-        if all(r > 0 for r in ratios.values()):
-            return ratios
+        entry = {k: float(v) for k, v in stored[full_key].items()}
+        if entry and all(v > 0 for v in entry.values()):
+            return entry
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         stored = {}
-    seconds = pass_costs(model, [1, *widths], repeats=repeats, on_round=on_round)
-    ratios = {n: seconds[n] / seconds[1] for n in widths}
+    entry = measure()
     stored = stored if isinstance(stored, dict) else {}
-    stored[full_key] = ratios
+    stored[full_key] = entry
     try:                                                     # atomic: a concurrent writer never leaves half a file
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
@@ -102,4 +122,4 @@ def width_ratios(model: Transformer, key: str, widths=CALIBRATION_WIDTHS, repeat
         os.replace(tmp, path)
     except OSError:
         pass                                                 # a read-only cache: measure again next time
-    return ratios
+    return entry

@@ -130,6 +130,7 @@ class CostModel:
     level: dict[int, float] = field(default_factory=dict)               # bucket -> c_p(1) now
     ratio: dict[tuple[int, int], float] = field(default_factory=dict)   # (bucket, width ≥ 2) -> c_p(width) / c_p(1)
     propose: dict[str, float] = field(default_factory=dict)             # source -> seconds per drafted token
+    propose_ratio: dict[str, float] = field(default_factory=dict)       # source -> calibrated prior, × c_p(1)
     catchup: dict[str, float] = field(default_factory=dict)             # source -> seconds per token ingested
     counts: dict[tuple[str, str], int] = field(default_factory=dict)    # (table, source) -> measurements so far
     last_width: dict[int, int] = field(default_factory=dict)            # bucket -> width of its latest pass
@@ -154,7 +155,7 @@ class CostModel:
         self.last_width[bucket] = width
 
     def record_propose(self, source: str, tokens: int, seconds: float) -> None:
-        self._record_per_token("propose", self.propose, source, tokens, seconds, 0.0)
+        self._record_per_token("propose", self.propose, source, tokens, seconds, self.c_q(source))
 
     def record_catchup(self, source: str, tokens: int, seconds: float) -> None:
         self._record_per_token("catchup", self.catchup, source, tokens, seconds, self.c_catchup(source))
@@ -197,8 +198,15 @@ class CostModel:
         bucket = batch_bucket(batch)
         return self.level.get(bucket, 1.0) * self._ratio(bucket, n)   # unit-less before any measurement
 
+    def seed_propose(self, source: str, ratio: float) -> None:
+        """A calibrated proposal cost, as a fraction of c_p(1) (engine/calibrate.py): the prior until
+        the source's own steps are measured (without one, a draft model starts as free)."""
+        self.propose_ratio[source] = ratio
+
     def c_q(self, source: str) -> float:
-        return self.propose.get(source, 0.0)
+        if source in self.propose:
+            return self.propose[source]
+        return self.propose_ratio.get(source, 0.0) * self.c_p(1)
 
 
 @dataclass

@@ -114,9 +114,18 @@ class LLM:
         self.policy = KPolicy(self.k, k_max)
         if self.k == "auto" and self.target.name != "in-memory":
             self.policy.costs.seed(self._width_ratios(self.target, progress))
+            if self.draft is not None and self.draft.name != "in-memory":
+                from verispec.engine.calibrate import draft_step_ratio
+
+                self.policy.costs.seed_propose("draft", draft_step_ratio(
+                    self.target.model, self.draft.model, f"{self.target.name}|{self.draft.name}|{self._formats()}"))
         self.max_batch = max_batch
         self._ngram_n = ngram_n
         self.context_length = self.target.config.max_position_embeddings
+
+    def _formats(self) -> str:
+        models = [self.target] + ([self.draft] if self.draft is not None else [])
+        return ",".join(f"{m.model.dtype}/{type(m.model.model.layers[0].mlp.gate_up_proj).__name__}" for m in models)
 
     @staticmethod
     def _width_ratios(target: LoadedModel, progress: bool) -> dict[int, float]:
