@@ -271,7 +271,7 @@ class LLM:
             seed = params.seed + sample if params.seed is not None else int.from_bytes(os.urandom(7), "little")
             seqs.append(Sequence(index, ids, params, torch.Generator().manual_seed(seed), slot,
                                  frozenset(stop_ids), self.tokenizer, SpecMetrics(self.proposer_name, self.k)))
-        margin = 2 * (self.policy.k_max + 1) + 1
+        margin = 2 * (min(self.policy.k_max, params.max_tokens) + 1) + 1      # K < max_tokens in every round
         max_len = min(max(len(s.prompt_ids) for s in seqs) + params.max_tokens + margin,
                       self.context_length + margin)
         t_start = time.perf_counter()
