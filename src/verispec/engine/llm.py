@@ -118,25 +118,20 @@ class LLM:
                 from verispec.engine.calibrate import draft_step_ratio
 
                 self.policy.costs.seed_propose("draft", draft_step_ratio(
-                    self.target.model, self.draft.model, f"{self.target.name}|{self.draft.name}|{self._formats()}"))
+                    self.target.model, self.draft.model, f"{_format_key(self.target)}|{_format_key(self.draft)}"))
         self.max_batch = max_batch
         self._ngram_n = ngram_n
         self.context_length = self.target.config.max_position_embeddings
-
-    def _formats(self) -> str:
-        models = [self.target] + ([self.draft] if self.draft is not None else [])
-        return ",".join(f"{m.model.dtype}/{type(m.model.model.layers[0].mlp.gate_up_proj).__name__}" for m in models)
 
     @staticmethod
     def _width_ratios(target: LoadedModel, progress: bool) -> dict[int, float]:
         """This machine's c_p(n) / c_p(1) for the target (measured once, then read from the cache)."""
         from verispec.engine.calibrate import width_ratios
 
-        linear = type(target.model.model.layers[0].mlp.down_proj).__name__
         say = (lambda r, total: print(f"\rmeasuring pass widths for the K policy (once per machine): "
                                       f"{r}/{total}", end="\n" if r == total else "", file=sys.stderr,
                                       flush=True)) if progress else None
-        return width_ratios(target.model, f"{target.name}|{target.model.dtype}|{linear}", on_round=say)
+        return width_ratios(target.model, _format_key(target), on_round=say)
 
     # -- proposers ------------------------------------------------------------------------
     def _build_index(self, corpus) -> "CorpusIndex":
@@ -321,6 +316,12 @@ class LLM:
         return RequestOutput(s.index, s.prompt_ids, s.generated, text, s.finish_reason, len(s.prompt_ids), n,
                              t_first - t_start, decode_s, (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
                              s.metrics.to_dict() if self.proposer_name != "none" else {"proposer": "none"})
+
+
+def _format_key(m: LoadedModel) -> str:
+    """Names a loaded model and its weight format in the calibration file (costs differ by format)."""
+    formats = sorted({type(mod).__name__ for mod in m.model.modules() if type(mod).__name__.endswith("Linear")})
+    return f"{m.name}|{m.model.dtype}|{'+'.join(formats)}"
 
 
 def _load(model, dtype, device, progress) -> LoadedModel:
