@@ -67,7 +67,7 @@ def all_logits(model, ids):
 
 
 def quality(name: str) -> dict:
-    from verispec.loaders.resolve import load_model
+    from verispec.engine.loading import load_model
 
     ref = load_model(name, dtype="float32")
     ids = torch.tensor([ref.tokenizer.encode(TEXT)])

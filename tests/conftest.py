@@ -33,7 +33,7 @@ def tiny_model(seed: int = 0, arch: str = "qwen2", scale: float = 1.0, **kw) -> 
 @pytest.fixture(scope="session")
 def real_pair():
     """The embedded Qwen2.5-Coder 1.5B target and 0.5B draft, loaded once per test session (fp32)."""
-    from verispec.loaders.resolve import load_model
+    from verispec.engine.loading import load_model
     from verispec.loaders.builtin import BUILTIN_MODELS, builtin_status
 
     for name in BUILTIN_MODELS:
@@ -67,6 +67,6 @@ def byte_tokenizer():
 
 def tiny_text_model(seed: int = 0):
     """A tiny random model with the byte tokenizer, as a LoadedModel (text prompts, chat template)."""
-    from verispec.loaders.resolve import LoadedModel
+    from verispec.engine.loading import LoadedModel
 
     return LoadedModel(f"tiny-{seed}", tiny_model(seed, vocab=260), byte_tokenizer(), None, 0.0, False)

@@ -10,7 +10,7 @@ import pytest
 from verispec.bench.run import format_markdown, format_table, parse_modes, run_bench
 from verispec.bench.suites import load_suite
 from verispec.errors import VerispecError
-from verispec.loaders.resolve import LoadedModel
+from verispec.engine.loading import LoadedModel
 from conftest import tiny_model
 
 
@@ -98,7 +98,7 @@ def test_hf_peer_runs_in_the_same_bench(tmp_path):
     import torch
 
     from verispec.bench.peers import hf_peers
-    from verispec.loaders.resolve import load_model
+    from verispec.engine.loading import load_model
 
     for name, seed in (("target", 0), ("draft", 1)):
         torch.manual_seed(seed)

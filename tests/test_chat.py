@@ -144,7 +144,7 @@ def test_a_chat_template_that_does_not_compile_is_refused_at_load(model_dir, tmp
     import shutil
 
     from verispec.errors import InvalidModelFile
-    from verispec.loaders.resolve import load_model
+    from verispec.engine.loading import load_model
 
     broken = tmp_path / "broken"
     shutil.copytree(model_dir, broken, ignore=shutil.ignore_patterns("cache"))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from verispec.loaders.resolve import load_model
+from verispec.engine.loading import load_model
 from verispec.models import KVCache
 
 transformers = pytest.importorskip("transformers")

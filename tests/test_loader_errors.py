@@ -12,7 +12,7 @@ gguf = pytest.importorskip("gguf")
 
 from verispec.errors import InvalidModelFile, ModelNotFound, ModelNotInstalled, UnsupportedModel  # noqa: E402
 from verispec.loaders import builtin  # noqa: E402
-from verispec.loaders.resolve import load_model  # noqa: E402
+from verispec.engine.loading import load_model  # noqa: E402
 
 
 def write_tiny_gguf(path: Path, arch: str = "qwen2", qtype=None, drop: str | None = None, layers: int = 1) -> Path:

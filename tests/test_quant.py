@@ -47,7 +47,7 @@ def test_greedy_speculative_equals_plain_in_int8():
 
 def test_quantized_weights_are_cached_in_the_prepared_directory(tmp_path, monkeypatch):
     from test_loader_errors import write_tiny_gguf
-    from verispec.loaders.resolve import load_model
+    from verispec.engine.loading import load_model
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     path = write_tiny_gguf(tmp_path / "m.gguf")
@@ -65,7 +65,7 @@ def test_quantized_weights_are_cached_in_the_prepared_directory(tmp_path, monkey
 
 def test_quantized_caches_of_an_older_layout_are_ignored_and_replaced(tmp_path, monkeypatch):
     from test_loader_errors import write_tiny_gguf
-    from verispec.loaders.resolve import load_model
+    from verispec.engine.loading import load_model
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     path = write_tiny_gguf(tmp_path / "m.gguf")
@@ -84,7 +84,7 @@ def test_prepared_directories_store_fused_projections_and_older_ones_are_redone(
     from safetensors.torch import load_file
 
     from test_loader_errors import write_tiny_gguf
-    from verispec.loaders.resolve import PREPARED_VERSION, load_model
+    from verispec.engine.loading import PREPARED_VERSION, load_model
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     path = write_tiny_gguf(tmp_path / "m.gguf")

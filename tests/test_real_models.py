@@ -115,7 +115,7 @@ def test_greedy_speculative_equals_plain_on_the_real_pair(real_pair):
 def test_greedy_speculative_equals_plain_on_the_native_pass(fmt):
     """The CPU formats (int4 the default): every decode and verify pass of both models runs in the
     native decoder (kernels/decoder.c), and greedy speculation still changes nothing."""
-    from verispec.loaders.resolve import load_model
+    from verispec.engine.loading import load_model
 
     target = load_model("qwen2.5-coder-1.5b-instruct", dtype=fmt)
     draft = load_model("qwen2.5-coder-0.5b-instruct", dtype=fmt)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from verispec.engine import runner as runner_mod
-from verispec.engine.runner import ModelRunner
+from verispec.models import runner as runner_mod
+from verispec.models.runner import ModelRunner
 from conftest import tiny_model
 
 

@@ -306,7 +306,7 @@ def test_loadtest_counts_from_usage(server):
     import asyncio
 
     from verispec.errors import VerispecError
-    from verispec.serving.loadtest import check_loopback, run_level, summarize
+    from verispec.bench.loadtest import check_loopback, run_level, summarize
 
     results, wall = asyncio.run(run_level(server.url, "tiny", [[{"role": "user", "content": "hi"}]], 2, 4, 8, 60))
     row = summarize(results, wall, 2, slo_ttft=60, slo_tpot=60)

@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_model
 from verispec import LLM, SamplingParams
 from verispec.errors import InvalidRequest
-from verispec.serving.block_pool import BlockPool, block_hashes
+from verispec.engine.block_pool import BlockPool, block_hashes
 from verispec.serving.engine import Request, ServingEngine
 
 

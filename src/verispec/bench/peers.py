@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from verispec.errors import VerispecError
-from verispec.loaders.resolve import LoadedModel
+from verispec.engine.loading import LoadedModel
 
 HF_MODES = ("plain", "assisted", "lookup")
 LOOKUP_TOKENS = 10          # transformers' documented example value

@@ -16,7 +16,7 @@ from verispec.engine.calibrate import pass_cost, pass_costs
 from verispec.bench.suites import BenchPrompt
 from verispec.engine.llm import LLM
 from verispec.engine.params import SamplingParams
-from verispec.loaders.resolve import LoadedModel
+from verispec.engine.loading import LoadedModel
 
 
 @dataclass(frozen=True)

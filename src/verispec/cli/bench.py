@@ -58,7 +58,7 @@ def run(args) -> int:
     from verispec.bench.run import format_markdown, parse_modes, run_bench
     from verispec.bench.suites import load_suite
     from verispec.loaders.builtin import DEFAULT_DRAFT
-    from verispec.loaders.resolve import load_model
+    from verispec.engine.loading import load_model
 
     if args.max_tokens < 1 or args.repeats < 1 or (args.limit is not None and args.limit < 1):
         raise VerispecError("--max-tokens, --repeats and --limit must be positive")

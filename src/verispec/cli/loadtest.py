@@ -97,7 +97,7 @@ def _first_model(url: str) -> str:
 def _run_against(url: str, label: str, args, levels, prompts) -> list[dict]:
     import asyncio
 
-    from verispec.serving.loadtest import format_rows, run_level, summarize
+    from verispec.bench.loadtest import format_rows, run_level, summarize
 
     model = args.model or _first_model(url)
     rows = []
@@ -113,7 +113,7 @@ def _run_against(url: str, label: str, args, levels, prompts) -> list[dict]:
 
 
 def run(args) -> int:
-    from verispec.serving.loadtest import check_loopback, format_rows
+    from verispec.bench.loadtest import check_loopback, format_rows
 
     levels = _levels(args.concurrency)
     if args.max_tokens < 1 or (args.requests is not None and args.requests < 1) or args.time_limit <= 0:

@@ -32,7 +32,7 @@ def run(args) -> int:
     from verispec.bench.run import machine_line
     from verispec.kernels import machine
     from verispec.loaders.builtin import DEFAULT_DRAFT
-    from verispec.loaders.resolve import load_model
+    from verispec.engine.loading import load_model
     from verispec.proposers.ngram import lookup
 
     if not 2 <= args.max_n <= 64 or args.context < 1 or args.repeats < 1:

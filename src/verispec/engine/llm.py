@@ -13,12 +13,12 @@ import torch
 from verispec.engine.k_policy import K_MAX, KPolicy
 from verispec.engine.metrics import SpecMetrics
 from verispec.engine.params import SamplingParams
-from verispec.engine.runner import ModelRunner
+from verispec.models.runner import ModelRunner
 from verispec.engine.sequence import Sequence
 from verispec.engine.spec_round import speculative_round
 from verispec.errors import InvalidRequest, VerispecError
 from verispec.loaders.builtin import DEFAULT_DRAFT, DEFAULT_TARGET
-from verispec.loaders.resolve import LoadedModel, load_model
+from verispec.engine.loading import LoadedModel, load_model
 from verispec.models import Transformer
 from verispec.proposers import REGISTRY, Proposer
 

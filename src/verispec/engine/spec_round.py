@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.engine.runner import ModelRunner
+from verispec.models.runner import ModelRunner
 from verispec.engine.sequence import Sequence
 from verispec.proposers.base import Proposal, Proposer
 from verispec.sampling import AcceptanceResult, accept_greedy, accept_sampling, warp_probs

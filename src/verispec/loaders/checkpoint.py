@@ -1,4 +1,4 @@
-"""What every checkpoint must hold for a config, and turning a validated state dict into a model."""
+"""What every checkpoint must hold for a config, and the model's names for its fused projections."""
 
 from __future__ import annotations
 
@@ -6,13 +6,27 @@ import torch
 
 from verispec.config import ModelConfig
 from verispec.errors import InvalidModelFile
-from verispec.models import Transformer
-from verispec.models.transformer import FUSED, Rotary, fuse_projections
+
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fuse_projections(state: dict, prefix: str = "", combine=torch.cat) -> None:
+    """In place: replace each group of checkpoint projections under `prefix` by its fused tensor,
+    dropping the parts as it goes (a state dict already fused passes through). `combine` joins the
+    parts (torch.cat for tensors; anything else for, say, a dict of shapes)."""
+    for name in [n for n in state if n.startswith(prefix)]:
+        stem, _, kind = name.rpartition(".")
+        module, _, leaf = stem.rpartition(".")
+        for fused, parts in FUSED.items():
+            names = [f"{module}.{p}.{kind}" for p in parts]
+            if leaf == parts[0] and all(n in state for n in names):
+                state[f"{module}.{fused}.{kind}"] = combine([state.pop(n) for n in names])
 
 
 def expected_shapes(cfg: ModelConfig, fused: bool = False) -> dict[str, tuple[int, ...]]:
     """Hugging Face name -> (out, in) shape every checkpoint of this config must have; fused: under
-    the model's own names, q/k/v and gate/up as one tensor each (transformer.FUSED)."""
+    the model's own names, q/k/v and gate/up as one tensor each (FUSED)."""
     c, d = cfg.hidden_size, cfg.head_dim
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, c), "model.norm.weight": (c,)}
     if not cfg.tie_word_embeddings:
@@ -39,7 +53,7 @@ def expected_shapes(cfg: ModelConfig, fused: bool = False) -> dict[str, tuple[in
 
 
 def is_fused(state: dict) -> bool:
-    """Whether a state dict names its projections the model's way (transformer.FUSED)."""
+    """Whether a state dict names its projections the model's way (FUSED)."""
     return any(k.endswith(tuple(f".{fused}.weight" for fused in FUSED)) for k in state)
 
 
@@ -52,37 +66,3 @@ def check_state(cfg: ModelConfig, state: dict[str, torch.Tensor], source: object
     for name, shape in want.items():
         if tuple(state[name].shape) != shape:
             raise InvalidModelFile(source, f"tensor {name} has shape {tuple(state[name].shape)}, expected {shape}")
-
-
-def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: str | torch.device, source: object) -> Transformer:
-    """Assemble a Transformer from a state dict without allocating a second copy of the weights."""
-    check_state(cfg, state, source)
-    wanted = expected_shapes(cfg, fused=is_fused(state))
-    state = {k: v for k, v in state.items() if k in wanted}
-    fuse_projections(state)                     # here, so each part is freed as soon as it is fused
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.load_state_dict(state, assign=True, strict=True)
-    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def build_quantized(cfg: ModelConfig, state: dict[str, torch.Tensor], quant: str,
-                    device: str | torch.device, source: object) -> Transformer:
-    """A model whose linears are already quantized, from the state dict a quantized model saved
-    (every tensor keeps the dtype it was saved in)."""
-    from verispec.models.quant import quantize_linears
-
-    with torch.device("meta"):
-        model = quantize_linears(Transformer(cfg), quant, state)
-    try:
-        model.load_state_dict(state, assign=True, strict=True)
-    except RuntimeError as exc:
-        raise InvalidModelFile(source, f"cached {quant} weights do not fit the model ({str(exc)[:200]})") from None
-    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
-    return model.to(device).eval()

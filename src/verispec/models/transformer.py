@@ -15,6 +15,7 @@ from torch import nn
 
 from verispec import kernels
 from verispec.config import ModelConfig
+from verispec.loaders.checkpoint import fuse_projections
 from verispec.models.kv_cache import CacheView
 from verispec.models.native import NativeDecoder
 
@@ -58,22 +59,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 # Checkpoints name these projections apart; the model holds each group as one linear, so a pass
 # makes one matmul call per group. Rows are concatenated in the parts' order.
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def fuse_projections(state: dict, prefix: str = "", combine=torch.cat) -> None:
-    """In place: replace each group of checkpoint projections under `prefix` by its fused tensor,
-    dropping the parts as it goes (a state dict already fused passes through). `combine` joins the
-    parts (torch.cat for tensors; anything else for, say, a dict of shapes)."""
-    for name in [n for n in state if n.startswith(prefix)]:
-        stem, _, kind = name.rpartition(".")
-        module, _, leaf = stem.rpartition(".")
-        for fused, parts in FUSED.items():
-            names = [f"{module}.{p}.{kind}" for p in parts]
-            if leaf == parts[0] and all(n in state for n in names):
-                state[f"{module}.{fused}.{kind}"] = combine([state.pop(n) for n in names])
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from verispec.engine.runner import ModelRunner
+from verispec.models.runner import ModelRunner
 from verispec.models import Transformer
 from verispec.proposers.base import Proposal, Proposer, register
 from verispec.sampling import sample_from, warp_probs

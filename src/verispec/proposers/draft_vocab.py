@@ -19,6 +19,7 @@ import os
 import sysconfig
 import tempfile
 from collections import Counter
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -28,11 +29,11 @@ COLLECTION_BYTES = 4 << 20        # how much of the standard library to count (s
 
 def collection() -> list[str]:
     """The texts counted: the bundled prompts, then standard-library sources up to COLLECTION_BYTES."""
-    from verispec.bench.suites import load_suite
-
     texts = []
-    for p in load_suite(None):
-        texts.append(p.prompt or " ".join(m["content"] for m in p.messages))
+    for line in resources.files("verispec.data").joinpath("prompts.jsonl").read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            texts.append(rec.get("prompt") or " ".join(m["content"] for m in rec["messages"]))
     used = 0
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
         if "test" in path.parts or "site-packages" in path.parts:

@@ -25,14 +25,14 @@ import torch
 from verispec.engine.llm import LLM
 from verispec.engine.metrics import SpecMetrics
 from verispec.engine.params import SamplingParams
-from verispec.engine.runner import ModelRunner
+from verispec.models.runner import ModelRunner
 from verispec.engine.sequence import Sequence
 from verispec.engine.spec_round import speculative_round
 from verispec.errors import InvalidRequest
 from verispec.models.paged_cache import PagedKVCache
-from verispec.serving.block_pool import BlockPool
-from verispec.serving.scheduler import Entry, Scheduler
-from verispec.serving.stats import ServerStats
+from verispec.engine.block_pool import BlockPool
+from verispec.engine.scheduler import Entry, Scheduler
+from verispec.engine.stats import ServerStats
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from verispec.engine.sequence import Sequence
-from verispec.serving.block_pool import BlockPool
+from verispec.engine.block_pool import BlockPool
 
 
 @dataclass(eq=False)

@@ -21,11 +21,11 @@ from safetensors.torch import load_file, save_file
 from verispec.config import ModelConfig
 from verispec.errors import InvalidModelFile, ModelNotFound, UnsupportedModel, VerispecError
 from verispec.loaders import builtin
-from verispec.loaders.checkpoint import build_model, build_quantized, check_state
+from verispec.loaders.checkpoint import check_state, fuse_projections
 from verispec.loaders.tokenizer import TextTokenizer
 from verispec.models import Transformer
 from verispec.models.quant import quantize_linears
-from verispec.models.transformer import fuse_projections
+from verispec.models.build import build_model, build_quantized
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
