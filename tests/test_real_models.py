@@ -134,12 +134,11 @@ def test_server_with_embedded_model_matches_generate(real_pair):
     from test_server import LiveServer
 
     from verispec.serving.api import ServerConfig, create_app
-    from verispec.serving.engine import ServingEngine
 
     _, draft = real_pair
     llm = LLM(draft, proposer="ngram", k="auto")
     live = LiveServer(create_app(ServerConfig("qwen2.5-coder-0.5b-instruct"),
-                                 lambda: ServingEngine(llm, kv_budget_mb=256)))
+                                 lambda: llm.engine(kv_budget_mb=256)))
     try:
         live.wait_ready()
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=120)

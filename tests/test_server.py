@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from verispec.serving.api import ServerConfig, create_app  # noqa: E402
-from verispec.serving.engine import ServingEngine  # noqa: E402
+from verispec.engine.engine import Engine  # noqa: E402
 
 
 class LiveServer:
@@ -56,7 +56,7 @@ def llm():
 
 @pytest.fixture(scope="module")
 def server(llm):
-    engine = ServingEngine(llm, kv_budget_mb=8, block_size=8, max_running=8)
+    engine = llm.engine(kv_budget_mb=8, block_size=8, max_running=8)
     app = create_app(ServerConfig("tiny", aliases=["tiny-alias"]), lambda: engine)
     live = LiveServer(app)
     live.wait_ready()
@@ -267,7 +267,7 @@ def test_api_key_queue_full_and_loading(llm):
 
     def slow_load():
         gate.wait(30)
-        return ServingEngine(llm, kv_budget_mb=4, block_size=8)
+        return llm.engine(kv_budget_mb=4, block_size=8)
 
     live = LiveServer(create_app(ServerConfig("tiny", api_key="s3cret", max_waiting=0), slow_load))
     try:
@@ -362,3 +362,31 @@ def test_cli_serve_drains_on_sigterm(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_one_step_loop_gives_generate_the_engine_and_the_server_the_same_seeded_tokens():
+    """`LLM.generate` (what bench and verify call), an engine stepped by hand and the HTTP server
+    drive the same Engine.step: a seeded sampled request with a draft model gives the same text."""
+    from verispec.engine.engine import Request
+
+    llm = LLM(tiny_text_model(0), draft=tiny_text_model(1), proposer="draft", k=3)
+    params = dict(max_tokens=24, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
+    prompt = "def add(a, b):"
+    generated = [o.text for o in llm.generate([prompt], SamplingParams(n=2, **params))]
+    stepped: dict[int, str] = {}
+    engine = llm.engine(kv_budget_mb=4, block_size=8)
+    engine.add(Request("r", [llm.encode(prompt)], SamplingParams(n=2, **params),
+                       lambda u: stepped.__setitem__(u.index, stepped.get(u.index, "") + u.text)))
+    while engine.has_work:
+        engine.step()
+    live = LiveServer(create_app(ServerConfig("tiny"), lambda: llm.engine(kv_budget_mb=4, block_size=8)))
+    try:
+        live.wait_ready()
+        body = {k: v for k, v in params.items() if k != "ignore_eos"}
+        out = httpx.post(live.url + "/v1/completions", json={"prompt": prompt, "n": 2, "ignore_eos": True, **body},
+                         timeout=60).json()
+    finally:
+        live.stop()
+    served = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+    assert generated == [stepped[0], stepped[1]] == served
+    assert len(set(generated)) == 2 and all(generated)          # two different, non-empty samples

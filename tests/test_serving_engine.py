@@ -10,10 +10,10 @@ from conftest import tiny_model
 from verispec import LLM, SamplingParams
 from verispec.errors import InvalidRequest
 from verispec.engine.block_pool import BlockPool, block_hashes
-from verispec.serving.engine import Request, ServingEngine
+from verispec.engine.engine import Engine, Request
 
 
-def collect(engine: ServingEngine, requests: list[tuple[str, list[list[int]], SamplingParams]],
+def collect(engine: Engine, requests: list[tuple[str, list[list[int]], SamplingParams]],
             join_every: int = 0, max_steps: int = 5000) -> dict[str, dict[int, list[int]]]:
     """Run requests to completion; with join_every > 0, request i joins after i·join_every steps."""
     out: dict[str, dict[int, list[int]]] = {}
@@ -38,7 +38,7 @@ def make(proposer="ngram", k="auto", draft=True, **kw):
     target = tiny_model(0)
     llm = LLM(target, draft=tiny_model(1) if draft and proposer in ("draft", "hybrid") else None,
               proposer=proposer, k=k)
-    return llm, ServingEngine(llm, **kw)
+    return llm, llm.engine(**kw)
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [1, 2, 3], list(range(10, 50)), [7] * 20, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]

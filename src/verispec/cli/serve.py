@@ -56,16 +56,16 @@ def run(args) -> int:
         raise VerispecError(f"verispec serve needs the serve extra ({err.name} is missing): "
                             "pip install 'verispec[serve]'") from None
     from verispec.cli.generate import build_llm
-    from verispec.serving.engine import ServingEngine
+    from verispec.engine.engine import Engine
 
     name = args.served_model_name or os.path.basename(str(args.model)).removesuffix(".gguf")
     config = ServerConfig(name, api_key=args.api_key or os.environ.get("VERISPEC_API_KEY"),
                           max_waiting=args.max_waiting)
 
-    def load() -> ServingEngine:
+    def load() -> Engine:
         llm = build_llm(args)
-        engine = ServingEngine(llm, kv_budget_mb=args.kv_cache_mb, block_size=args.block_size,
-                               max_running=args.max_running, prefill_budget=args.prefill_chunk)
+        engine = llm.engine(kv_budget_mb=args.kv_cache_mb, block_size=args.block_size,
+                            max_running=args.max_running, prefill_budget=args.prefill_chunk)
         print(f"verispec: serving {name} on http://{args.host}:{args.port}/v1 "
               f"(proposer {llm.proposer_name}, k={llm.k}, {engine.pool.usable} KV blocks of {args.block_size})",
               file=sys.stderr, flush=True)

@@ -125,6 +125,13 @@ class BlockPool:
                     self.free.append(b)
         self.registered.pop(slot, None)
 
+    def evict_cached(self) -> None:
+        """Forget every registered block no sequence holds (they become plain free blocks)."""
+        while self.cached:
+            b, _ = self.cached.popitem(last=False)
+            del self.by_hash[self.hash_of.pop(b)]
+            self.free.append(b)
+
     def _take(self) -> int:
         if self.free:
             b = self.free.pop()

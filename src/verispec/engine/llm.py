@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -10,12 +11,11 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
+from verispec.engine.engine import Engine, Request, encode_prompt
 from verispec.engine.k_policy import K_MAX, KPolicy
-from verispec.engine.metrics import SpecMetrics
 from verispec.engine.params import SamplingParams
-from verispec.models.runner import ModelRunner
+from verispec.engine.scheduler import Entry
 from verispec.engine.sequence import Sequence
-from verispec.engine.spec_round import speculative_round
 from verispec.errors import InvalidRequest, VerispecError
 from verispec.loaders.builtin import DEFAULT_DRAFT, DEFAULT_TARGET
 from verispec.engine.loading import LoadedModel, load_model
@@ -32,26 +32,14 @@ DEFAULT_CONTEXT = 4096
 
 @dataclass
 class Session:
-    """A conversation's target cache kept from one `generate` call to the next: the next prompt's
-    longest common prefix with what the cache holds is not prefilled again (a chat's history is the
-    prefix of its next turn). One sequence at a time; `cached` are the tokens whose keys and values
-    the cache holds, in order."""
+    """A conversation: its turns share one context limit, and each turn's prompt (the history so far)
+    finds the previous turns' keys and values in the engine's prefix cache, so only the new message
+    is prefilled. One sequence at a time."""
 
     context: int = DEFAULT_CONTEXT
-    runner: ModelRunner | None = None
-    cached: list[int] = field(default_factory=list)
 
     def reset(self) -> None:
-        self.cached = []
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+        """Nothing to drop: a new conversation simply shares no prefix with the old one."""
 
 
 @dataclass
@@ -111,17 +99,31 @@ class LLM:
         self.draft_vocab = self._draft_vocab(draft_vocab)
         self.corpus_index = self._build_index(corpus) if proposer == "retrieval" else None
         self.k = k if proposer != "none" else 0
-        self.policy = KPolicy(self.k, k_max)
+        self._k_max = k_max
+        self._width_seed: dict[int, float] | None = None     # this machine's calibrated costs (K = auto)
+        self._draft_seed: float | None = None
         if self.k == "auto" and self.target.name != "in-memory":
-            self.policy.costs.seed(self._width_ratios(self.target, progress))
+            self._width_seed = self._width_ratios(self.target, progress)
             if self.draft is not None and self.draft.name != "in-memory":
                 from verispec.engine.calibrate import draft_step_ratio
 
-                self.policy.costs.seed_propose("draft", draft_step_ratio(
-                    self.target.model, self.draft.model, f"{_format_key(self.target)}|{_format_key(self.draft)}"))
+                self._draft_seed = draft_step_ratio(
+                    self.target.model, self.draft.model, f"{_format_key(self.target)}|{_format_key(self.draft)}")
+        self.policy = self.new_policy()          # generate()'s; every other engine gets its own
         self.max_batch = max_batch
+        self._engine: Engine | None = None
+        self._ids = itertools.count()
         self._ngram_n = ngram_n
         self.context_length = self.target.config.max_position_embeddings
+
+    def new_policy(self) -> KPolicy:
+        """A K policy for one engine, seeded with this machine's calibrated pass and draft costs."""
+        policy = KPolicy(self.k, self._k_max)
+        if self._width_seed is not None:
+            policy.costs.seed(self._width_seed)
+        if self._draft_seed is not None:
+            policy.costs.seed_propose("draft", self._draft_seed)
+        return policy
 
     @staticmethod
     def _width_ratios(target: LoadedModel, progress: bool) -> dict[int, float]:
@@ -178,18 +180,8 @@ class LLM:
 
     # -- prompts --------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequest("this model has no tokenizer: pass prompts as lists of token ids")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise InvalidRequest("the prompt is empty")
-        v = self.target.config.vocab_size
-        if any(not 0 <= t < v for t in ids):
-            raise InvalidRequest(f"prompt token ids must be in [0, {v})")
-        return ids
+        """Text or token ids -> validated token ids."""
+        return encode_prompt(self.tokenizer, self.target.config.vocab_size, prompt)
 
     def chat_prompt(self, messages: list[dict]) -> str:
         if self.tokenizer is None:
@@ -206,13 +198,29 @@ class LLM:
         """A conversation whose turns reuse the cached prefix (see Session)."""
         return Session(min(context, self.context_length))
 
+    def engine(self, kv_budget_mb: float = 1024, block_size: int = 16, max_running: int | None = None,
+               prefill_budget: int = 256, num_blocks: int | None = None, policy: KPolicy | None = None) -> Engine:
+        """A new Engine over this LLM's models with a proposer and a K policy of its own (the server
+        runs one; `generate` keeps one)."""
+        return Engine(self.target.model, self.make_proposer(), policy or self.new_policy(), self.tokenizer,
+                      self.proposer_name,
+                      self.k, self.context_length, self.draft.model if self.draft is not None else None,
+                      kv_budget_mb, block_size, max_running or self.max_batch, prefill_budget, num_blocks)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget the cached prompts of earlier calls (the next prompt is prefilled in full)."""
+        if self._engine is not None:
+            self._engine.clear_prefix_cache()
+
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None,
                  on_update: Callable[[Sequence], None] | None = None,
                  session: Session | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (and n samples each) together; outputs in prompt order.
+        """Generate for every prompt (and n samples each), up to max_batch sequences at a time;
+        outputs in prompt order. Prompts that start like an earlier call's (a shared system prompt,
+        a conversation's history) reuse its cached keys and values.
 
-        on_update(seq) is called after every round for each sequence that changed (for streaming).
-        session: keep the target's cache for the next call (one prompt, n = 1).
+        on_update(seq) is called after every round for each sequence that emitted tokens (streaming).
+        session: one conversation's turns (one prompt, n = 1), within its context limit.
         """
         params = params or SamplingParams()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -224,98 +232,51 @@ class LLM:
                 raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                      f"the {'model' if session is None else 'conversation'}'s context of "
                                      f"{limit} tokens")
-        jobs = [(i, ids, j) for i, ids in enumerate(encoded) for j in range(params.n)]
-        if session is not None and len(jobs) != 1:
+        if session is not None and (len(encoded) != 1 or params.n != 1):
             raise InvalidRequest("a session generates one sequence at a time (one prompt, n = 1)")
-        outputs: list[RequestOutput] = []
-        for start in range(0, len(jobs), self.max_batch):
-            outputs += self._run_batch(jobs[start:start + self.max_batch], params, on_update, session)
-        return outputs
-
-    def _prefill(self, seqs: list[Sequence], max_len: int, session: Session | None) -> tuple[ModelRunner, int]:
-        """The target runner with every sequence's prompt cached (but its last token), and how many
-        prompt tokens a session already held."""
-        if session is not None:
-            if session.runner is None:
-                margin = 2 * (self.policy.k_max + 1) + 1
-                session.runner = ModelRunner(self.target.model, 1, session.context + margin)
-            seq, runner = seqs[0], session.runner
-            reused = common_prefix(session.cached, seq.tokens[:-1])
-            session.cached = session.cached[:reused]
-            runner.cache.set_length(seq.slot, reused)
-            runner.extend([seq.slot], [seq.tokens])
-            return runner, reused
-        target = ModelRunner(self.target.model, len(seqs), max_len)
-        # Samples of one prompt (n > 1, verify's thousands) share its prefill: compute it once, copy the cache.
-        leaders: dict[tuple[int, ...], Sequence] = {}
-        for s in seqs:
-            leaders.setdefault(tuple(s.tokens), s)
-        target.prefill([s.slot for s in leaders.values()], [s.tokens for s in leaders.values()])
-        for s in seqs:
-            lead = leaders[tuple(s.tokens)]
-            if lead is not s:
-                target.cache.copy_prefix(lead.slot, s.slot, target.length(lead.slot))
-        return target, 0
-
-    def _run_batch(self, jobs, params: SamplingParams, on_update, session: Session | None = None) -> list[RequestOutput]:
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos and self.tokenizer is not None:
-            stop_ids |= set(self.tokenizer.stop_token_ids)
-        seqs = []
-        for slot, (index, ids, sample) in enumerate(jobs):
-            seed = params.seed + sample if params.seed is not None else int.from_bytes(os.urandom(7), "little")
-            seqs.append(Sequence(index, ids, params, torch.Generator().manual_seed(seed), slot,
-                                 frozenset(stop_ids), self.tokenizer, SpecMetrics(self.proposer_name, self.k)))
-        margin = 2 * (min(self.policy.k_max, params.max_tokens) + 1) + 1      # K < max_tokens in every round
-        max_len = min(max(len(s.prompt_ids) for s in seqs) + params.max_tokens + margin,
-                      self.context_length + margin)
-        t_start = time.perf_counter()
-        target, reused = self._prefill(seqs, max_len, session)
-        proposer = self.make_proposer()
-        proposer.start(ModelRunner.static(len(seqs), max_len))
-        first_token_at: dict[int, float] = {}
-        active = list(seqs)
+        engine = self._engine_for(encoded, params, session)
         self.policy.forget()
+
+        def sink(update) -> None:
+            if on_update is not None and update.seq is not None and (update.token_ids or update.finish_reason):
+                on_update(update.seq)
+
+        request = Request(f"generate-{next(self._ids)}", encoded, params, sink, text_deltas=False)
+        t_start = time.perf_counter()
+        entries = engine.add(request)
         try:
-            while active:
-                sources = [proposer.source_for(s) for s in active]
-                ks = self.policy.choose_round(active, sources, backlogs=[proposer.backlog(s) for s in active])
-                report = speculative_round(active, target, proposer, ks)
-                self.learn(active, report)
-                now = time.perf_counter()
-                for s in active:
-                    if s.generated or s.finished:
-                        first_token_at.setdefault(s.slot, now)
-                    if on_update:
-                        on_update(s)
-                active = [s for s in active if not s.finished]
-        finally:                                   # also when interrupted: the cache's committed prefix stays usable
-            if session is not None:
-                session.cached = seqs[0].tokens[:target.length(seqs[0].slot)]
-            proposer.reset()
-        t_end = time.perf_counter()
-        outputs = [self._output(s, t_start, first_token_at.get(s.slot, t_end), t_end) for s in seqs]
-        outputs[0].cached_tokens = reused
-        return outputs
+            while not all(e.seq.finished for e in entries):
+                engine.step()
+        finally:                  # also when interrupted: what was committed stays in the prefix cache
+            if not all(e.seq.finished for e in entries):
+                engine.abort(request.id)
+        return [self._output(e, params.n, t_start) for e in entries]
 
-    def learn(self, seqs: list[Sequence], report) -> None:
-        """Feed measured costs and acceptance into the K policy (used by k="auto")."""
-        costs = self.policy.costs
-        costs.record_verify(report.width, report.verify_s, len(seqs))
-        for source, (steps, seconds) in report.steps.items():
-            costs.record_propose(source, steps, seconds)
-        for source, (tokens, seconds) in (report.catchup or {}).items():
-            costs.record_catchup(source, tokens, seconds)
-        for s, src, k, n in zip(seqs, report.sources, report.num_draft, report.num_accepted):
-            self.policy.observe(s.slot, src, k, n)
+    def _engine_for(self, encoded: list[list[int]], params: SamplingParams, session: Session | None) -> Engine:
+        """The LLM's engine, rebuilt only when its KV pool cannot hold this call's sequences at once
+        (up to max_batch of them, each with room for K lookahead)."""
+        block = 16
+        longest = session.context if session is not None else max(len(ids) for ids in encoded) + params.max_tokens
+        per_seq = -(-(longest + 2 * (self.policy.k_max + 1) + 1) // block)
+        need = min(len(encoded) * params.n, self.max_batch) * per_seq + 1
+        if self._engine is None or self._engine.pool.num_blocks < need:
+            self._engine = None                          # free the old pool before allocating the new one
+            self._engine = self.engine(block_size=block, prefill_budget=512, num_blocks=max(need, 2),
+                                       policy=self.policy)
+        return self._engine
 
-    def _output(self, s: Sequence, t_start: float, t_first: float, t_end: float) -> RequestOutput:
-        n = len(s.generated)
+    def _output(self, e: Entry, n: int, t_start: float) -> RequestOutput:
+        s = e.seq
+        t_end = e.done or time.perf_counter()
+        t_first = e.first_token or t_end
+        count = len(s.generated)
         decode_s = t_end - t_first
         text = s.text if self.tokenizer is not None else None
-        return RequestOutput(s.index, s.prompt_ids, s.generated, text, s.finish_reason, len(s.prompt_ids), n,
-                             t_first - t_start, decode_s, (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
-                             s.metrics.to_dict() if self.proposer_name != "none" else {"proposer": "none"})
+        return RequestOutput(s.index // n, s.prompt_ids, s.generated, text, s.finish_reason or "abort",
+                             len(s.prompt_ids), count, t_first - t_start, decode_s,
+                             (count - 1) / decode_s if count > 1 and decode_s > 0 else None,
+                             s.metrics.to_dict() if self.proposer_name != "none" else {"proposer": "none"},
+                             e.cached)
 
 
 def _format_key(m: LoadedModel) -> str:

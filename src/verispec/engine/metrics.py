@@ -47,6 +47,33 @@ class SpecMetrics:
         self.overlap_sum += sum(overlaps)
         self.overlap_count += len(overlaps)
 
+    def add(self, other: "SpecMetrics") -> None:
+        """Fold another sequence's counts into these (the engine's running total)."""
+        self.rounds += other.rounds
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        self.emitted += other.emitted
+        for i, (p, a) in enumerate(zip(other.position_proposed, other.position_accepted)):
+            if i == len(self.position_proposed):
+                self.position_proposed.append(0)
+                self.position_accepted.append(0)
+            self.position_proposed[i] += p
+            self.position_accepted[i] += a
+        self.overlap_sum += other.overlap_sum
+        self.overlap_count += other.overlap_count
+        self.draft_s += other.draft_s
+        self.verify_s += other.verify_s
+        self.other_s += other.other_s
+        for k, v in other.k_histogram.items():
+            self.k_histogram[k] = self.k_histogram.get(k, 0) + v
+        for name, v in other.sources.items():
+            self.sources[name] = self.sources.get(name, 0) + v
+
+    @property
+    def drafting_rounds(self) -> int:
+        """Rounds that proposed at least one token."""
+        return sum(v for k, v in self.k_histogram.items() if k > 0)
+
     @property
     def alpha(self) -> float | None:
         return self.overlap_sum / self.overlap_count if self.overlap_count else None

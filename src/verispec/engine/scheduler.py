@@ -8,7 +8,8 @@ It counts and never touches tensors. Per step (`schedule`):
 2. sequences part-way through their prompt continue prefilling, oldest first, within a per-step
    token budget (chunked prefill: a long prompt never stalls running streams for long);
 3. waiting sequences are admitted in arrival order while blocks and budget last; a prompt whose
-   leading blocks are in the prefix cache starts prefilling after them.
+   leading blocks are in the prefix cache starts prefilling after them. A further sample of a
+   prompt (n > 1) waits until the first one has prefilled, then finds that prompt in the cache.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class Entry:
     arrival: float
     computed: int = 0             # tokens in the target's cache
     admitted: int = -1            # admission order (-1: waiting)
+    cached: int = 0               # prompt tokens found in the prefix cache at (the last) admission
+    leader: "Entry | None" = None  # the first sample of the same prompt (n > 1): its prefill is shared
+    first_token: float | None = None   # when the first generated token (or the finish) was committed
+    done: float | None = None          # when the sequence finished
 
     @property
     def slot(self) -> int:
@@ -113,6 +118,8 @@ class Scheduler:
                 budget -= self._prefill_chunk(entry, budget, plan)
         while self.waiting and budget > 0 and len(self.admitted) < self.max_running:
             entry = self.waiting[0]
+            if entry.leader is not None and entry.leader.admitted >= 0 and not entry.leader.prefilled:
+                break
             tokens = entry.seq.tokens
             # Room for the prompt and the first round, keeping one block per running sequence spare.
             if self.pool.available() - self.pool.blocks_for(len(tokens)) < len(self.admitted):
@@ -121,7 +128,7 @@ class Scheduler:
             if cached is None:
                 break
             self.waiting.popleft()
-            entry.computed, entry.admitted = cached, self._counter
+            entry.computed, entry.cached, entry.admitted = cached, cached, self._counter
             self._counter += 1
             self.admitted.append(entry)
             if not entry.prefilled:

@@ -1,4 +1,7 @@
-"""Server counters and their Prometheus text exposition (`GET /metrics`).
+"""Engine counters and their Prometheus text exposition (the server's `GET /metrics`).
+
+Speculation counts are not kept twice: every sequence's own `SpecMetrics` (its `spec` output) is
+added to one running total when the sequence leaves, and the exposition reads that total.
 
 Names follow vLLM's where they overlap (prefix `vllm:` replaced by `verispec:`), so existing
 dashboards need only a prefix change:
@@ -13,6 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from verispec.engine.metrics import SpecMetrics
 from verispec.engine.sequence import Sequence
 
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -35,15 +39,12 @@ class Histogram:
 
 
 @dataclass
-class ServerStats:
+class EngineStats:
     requests_received: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)   # finish reason -> count
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    num_drafts: int = 0                 # sequence-rounds that proposed at least one token
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
+    spec: SpecMetrics = field(default_factory=lambda: SpecMetrics("all", "-"))   # sequences that left
     preemptions: int = 0
     engine_errors: int = 0
     prefill_s: float = 0.0
@@ -51,22 +52,13 @@ class ServerStats:
     tpot: Histogram = field(default_factory=Histogram)
     e2e: Histogram = field(default_factory=Histogram)
 
-    def record_round(self, report) -> None:
-        for k, n in zip(report.num_draft, report.num_accepted):
-            if k == 0:
-                continue
-            self.num_drafts += 1
-            self.num_draft_tokens += k
-            self.num_accepted_tokens += n
-            while len(self.accepted_per_pos) < k:
-                self.accepted_per_pos.append(0)
-            for i in range(n):
-                self.accepted_per_pos[i] += 1
-
-    def record_finished(self, seq: Sequence, arrival: float, first_token: float | None) -> None:
+    def record_left(self, seq: Sequence, arrival: float, first_token: float | None) -> None:
+        """A sequence left (finished or cancelled): add its speculation counts; count a finished one."""
+        self.spec.add(seq.metrics)
+        if not seq.finished:
+            return
         now = time.perf_counter()
-        reason = seq.finish_reason or "unknown"
-        self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
+        self.requests_finished[seq.finish_reason] = self.requests_finished.get(seq.finish_reason, 0) + 1
         self.prompt_tokens += len(seq.prompt_ids)
         n = len(seq.generated)
         self.generation_tokens += n
@@ -111,12 +103,12 @@ class ServerStats:
                [(f'{label},finished_reason="{r}"', n) for r, n in sorted(self.requests_finished.items())]
                or [(f'{label},finished_reason="stop"', 0)])
         metric("spec_decode_num_drafts", "counter", "Sequence-rounds that proposed draft tokens.",
-               [(label, self.num_drafts)])
-        metric("spec_decode_num_draft_tokens", "counter", "Draft tokens proposed.", [(label, self.num_draft_tokens)])
+               [(label, self.spec.drafting_rounds)])
+        metric("spec_decode_num_draft_tokens", "counter", "Draft tokens proposed.", [(label, self.spec.proposed)])
         metric("spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted.",
-               [(label, self.num_accepted_tokens)])
+               [(label, self.spec.accepted)])
         metric("spec_decode_num_accepted_tokens_per_pos", "counter", "Draft tokens accepted at each position.",
-               [(f'{label},position="{i}"', n) for i, n in enumerate(self.accepted_per_pos)]
+               [(f'{label},position="{i}"', n) for i, n in enumerate(self.spec.position_accepted)]
                or [(f'{label},position="0"', 0)])
         metric("engine_errors", "counter", "Engine steps that failed (their requests got an error).",
                [(label, self.engine_errors)])

@@ -68,9 +68,17 @@ class ModelRunner:
             part = [(s, toks[offset: offset + chunk]) for s, toks in todo if len(toks) > offset]
             if not part:
                 break
-            shared = max(len(c) for _, c in part) <= SHARED_PASS_MAX
-            for group in [part] if shared else [[p] for p in part]:
-                self.forward([s for s, _ in group], [c for _, c in group], rows=None)
-                for s, c in group:
-                    self.cache.set_length(s, self.cache.lengths[s] + len(c))
+            self.feed([s for s, _ in part], [c for _, c in part])
             offset += chunk
+
+    def feed(self, slots: list[int], chunks: list[list[int]]) -> None:
+        """Write chunks[b] at positions length(slot_b) … and move the lengths past them. Short chunks
+        share a pass; longer ones run one sequence per pass (SHARED_PASS_MAX)."""
+        part = [(s, c) for s, c in zip(slots, chunks) if c]
+        if not part:
+            return
+        shared = max(len(c) for _, c in part) <= SHARED_PASS_MAX
+        for group in [part] if shared else [[p] for p in part]:
+            self.forward([s for s, _ in group], [c for _, c in group], rows=None)
+            for s, c in group:
+                self.cache.set_length(s, self.cache.lengths[s] + len(c))

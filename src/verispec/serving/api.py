@@ -21,8 +21,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from verispec.errors import InvalidRequest, VerispecError
 from verispec.serving import protocol
-from verispec.serving.engine import Request as EngineRequest
-from verispec.serving.engine import ServingEngine, ServingLoop, Update
+from verispec.engine.engine import Engine, Update
+from verispec.engine.engine import Request as EngineRequest
+from verispec.engine.loop import EngineLoop
 
 
 class ApiError(Exception):
@@ -49,10 +50,10 @@ class ServerConfig:
 
 
 class ServerState:
-    def __init__(self, config: ServerConfig, load: Callable[[], ServingEngine]):
+    def __init__(self, config: ServerConfig, load: Callable[[], Engine]):
         self.config = config
         self._load = load
-        self.loop: ServingLoop | None = None
+        self.loop: EngineLoop | None = None
         self.load_error: str | None = None
         self.started = time.time()
         self._thread = threading.Thread(target=self._start, name="verispec-load", daemon=True)
@@ -62,13 +63,13 @@ class ServerState:
 
     def _start(self) -> None:
         try:
-            loop = ServingLoop(self._load(), self.config.max_waiting)
+            loop = EngineLoop(self._load(), self.config.max_waiting)
             loop.start()
             self.loop = loop
         except Exception as err:                 # reported by /health and every request
             self.load_error = f"{type(err).__name__}: {err}"
 
-    def ready(self) -> ServingLoop:
+    def ready(self) -> EngineLoop:
         if self.load_error:
             raise ApiError(503, f"the model failed to load: {self.load_error}", "server_error", code="model_load_failed")
         if self.loop is None:
@@ -80,7 +81,7 @@ class ServerState:
             self.loop.stop()
 
 
-def create_app(config: ServerConfig, load: Callable[[], ServingEngine]) -> FastAPI:
+def create_app(config: ServerConfig, load: Callable[[], Engine]) -> FastAPI:
     state = ServerState(config, load)
 
     @asynccontextmanager
@@ -186,19 +187,19 @@ def create_app(config: ServerConfig, load: Callable[[], ServingEngine]) -> FastA
         authorize(request)
         loop = state.ready()
         body = await read_json(request)
-        llm = loop.engine.llm
+        engine = loop.engine
         try:
-            limit = llm.context_length * protocol.MAX_CHARS_PER_TOKEN        # checked before tokenizing
+            limit = engine.context_length * protocol.MAX_CHARS_PER_TOKEN        # checked before tokenizing
             if kind == "chat":
                 parsed = protocol.parse_chat(body, config.default_max_tokens)
-                if llm.tokenizer is None or not llm.tokenizer.chat_template:
+                if engine.tokenizer is None or not engine.tokenizer.chat_template:
                     raise InvalidRequest("this model has no chat template; use /v1/completions", param="messages")
                 protocol.check_length([m["content"] for m in parsed.messages], limit, "messages")
-                prompts = [llm.encode(llm.chat_prompt(parsed.messages))]
+                prompts = [engine.encode(engine.chat_prompt(parsed.messages))]
             else:
                 parsed = protocol.parse_completion(body)
                 protocol.check_length([p for p in parsed.prompts if isinstance(p, str)], limit, "prompt")
-                prompts = [llm.encode(p) for p in parsed.prompts]
+                prompts = [engine.encode(p) for p in parsed.prompts]
         except InvalidRequest as err:
             if err.param is None:
                 err.param = "messages" if kind == "chat" else "prompt"
@@ -223,7 +224,7 @@ def create_app(config: ServerConfig, load: Callable[[], ServingEngine]) -> FastA
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await collect(request, loop, kind, rid, model, parsed.params.n, updates, expected)
 
-    async def collect(request: Request, loop: ServingLoop, kind: str, rid: str, model: str, n: int,
+    async def collect(request: Request, loop: EngineLoop, kind: str, rid: str, model: str, n: int,
                       updates: asyncio.Queue, expected: int):
         texts: dict[int, list[str]] = {i: [] for i in range(expected)}
         finish: dict[int, str] = {}
@@ -255,7 +256,7 @@ def create_app(config: ServerConfig, load: Callable[[], ServingEngine]) -> FastA
         choices = [protocol.choice(kind, i, "".join(texts[i]), finish[i]) for i in range(expected)]
         return protocol.response(kind, rid, model, choices, protocol.usage(prompt_total, completion_tokens), spec)
 
-    async def stream(loop: ServingLoop, kind: str, rid: str, model: str, parsed, updates: asyncio.Queue,
+    async def stream(loop: EngineLoop, kind: str, rid: str, model: str, parsed, updates: asyncio.Queue,
                      expected: int):
         created = int(time.time())
         finished, completion_tokens = 0, 0

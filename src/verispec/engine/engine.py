@@ -1,38 +1,40 @@
-"""The serving engine: continuous batching over a paged KV cache, one speculative round per step.
+"""The engine: continuous batching over a paged KV cache, one speculative round per step.
 
     step() = schedule → run → commit
       schedule  the scheduler (counting only) picks prefill chunks, the round's sequences and K each
-      run       one batched prefill pass for the chunks, then one batched speculative round
+      run       the prefill chunks, then one batched speculative round (K = 0 is plain decoding)
       commit    cache lengths and prefix blocks are recorded, updates go to each request's sink,
                 finished sequences leave and free their blocks
 
-Requests join and leave between steps. The engine is single-threaded; `ServingLoop` runs it on a
-thread and takes requests and cancellations from other threads.
+Everything that generates drives this one loop: `LLM.generate` (submit, step until done), `bench`,
+`verify`, `chat` and the server (`EngineLoop` steps it on a thread). Requests join and leave between
+steps; the engine itself is single-threaded.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from verispec.engine.llm import LLM
+from verispec.engine.block_pool import BlockPool
+from verispec.engine.k_policy import KPolicy
 from verispec.engine.metrics import SpecMetrics
 from verispec.engine.params import SamplingParams
-from verispec.models.runner import ModelRunner
-from verispec.engine.sequence import Sequence
-from verispec.engine.spec_round import speculative_round
-from verispec.errors import InvalidRequest
-from verispec.models.paged_cache import PagedKVCache
-from verispec.engine.block_pool import BlockPool
 from verispec.engine.scheduler import Entry, Scheduler
-from verispec.engine.stats import ServerStats
+from verispec.engine.sequence import Sequence
+from verispec.engine.spec_round import RoundReport, speculative_round
+from verispec.engine.stats import EngineStats
+from verispec.errors import InvalidRequest
+from verispec.loaders.tokenizer import TextTokenizer
+from verispec.models import Transformer
+from verispec.models.paged_cache import PagedKVCache
+from verispec.models.runner import ModelRunner
+from verispec.proposers import Proposer
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Update:
     completion_tokens: int = 0
     spec: dict | None = None            # drafted / accepted counts, on the last update
     error: str | None = None            # the engine failed this request
+    seq: Sequence | None = field(default=None, repr=False)   # for in-process callers (LLM.generate)
 
 
 @dataclass
@@ -57,35 +60,67 @@ class Request:
     params: SamplingParams
     sink: Callable[[Update], None]
     arrival: float = field(default_factory=time.perf_counter)
+    text_deltas: bool = True            # put the new text in each Update (a stream's reader wants it)
 
 
-class ServingEngine:
-    def __init__(self, llm: LLM, kv_budget_mb: float = 1024, block_size: int = 16, max_running: int = 32,
+def encode_prompt(tokenizer: TextTokenizer | None, vocab_size: int, prompt: str | list[int]) -> list[int]:
+    """Text or token ids -> validated token ids (InvalidRequest for an empty or out-of-vocabulary prompt)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer: pass prompts as lists of token ids")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise InvalidRequest("the prompt is empty")
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})")
+    return ids
+
+
+class Engine:
+    """target: the model every token is verified by; proposer: made for this engine (it keeps
+    per-sequence state); policy: chooses K per round and learns from what each round measured."""
+
+    def __init__(self, target: Transformer, proposer: Proposer, policy: KPolicy, tokenizer: TextTokenizer | None,
+                 proposer_name: str, k: int | str, context_length: int, draft: Transformer | None = None,
+                 kv_budget_mb: float = 1024, block_size: int = 16, max_running: int = 32,
                  prefill_budget: int = 256, num_blocks: int | None = None):
         if block_size < 1 or kv_budget_mb <= 0 or max_running < 1 or prefill_budget < 1:
             raise ValueError("block_size, kv_budget_mb, max_running and prefill_budget must be positive")
-        self.llm = llm
-        target = llm.target.model
-        models = [target] + ([llm.draft.model] if llm.draft is not None else [])
+        models = [target] + ([draft] if draft is not None else [])
         per_block = sum(PagedKVCache.bytes_per_block(m.config, block_size, m.dtype) for m in models)
         num_blocks = num_blocks or int(kv_budget_mb * 2**20 // per_block)
         self.pool = BlockPool(num_blocks, block_size)
         self.scheduler = Scheduler(self.pool, max_running, prefill_budget)
-        self.target = ModelRunner(target, cache=PagedKVCache(
-            target.config, num_blocks, block_size, self.pool.tables, target.dtype, target.device))
-        self.proposer = llm.make_proposer()
-        self.proposer.start(lambda m: ModelRunner(m, cache=PagedKVCache(
-            m.config, num_blocks, block_size, self.pool.tables, m.dtype, m.device)))
-        self.policy = llm.policy
-        self.stop_ids = frozenset(llm.tokenizer.stop_token_ids) if llm.tokenizer is not None else frozenset()
-        self.context_length = llm.context_length
-        self.stats = ServerStats()
+
+        def runner(model: Transformer) -> ModelRunner:
+            return ModelRunner(model, cache=PagedKVCache(model.config, num_blocks, block_size, self.pool.tables,
+                                                         model.dtype, model.device))
+
+        self.target = runner(target)
+        self.proposer = proposer
+        self.proposer.start(runner)
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.proposer_name, self.k = proposer_name, k
+        self.stop_ids = frozenset(tokenizer.stop_token_ids) if tokenizer is not None else frozenset()
+        self.context_length = context_length
+        self.stats = EngineStats()
         self._slots = itertools.count(1)
-        self._requests: dict[str, list[Entry]] = {}
-        self._sinks: dict[str, Callable[[Update], None]] = {}
-        self._first_token: dict[int, float] = {}
+        self._requests: dict[str, Request] = {}
+        self._entries: dict[str, list[Entry]] = {}
 
     # -- requests ---------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return encode_prompt(self.tokenizer, self.target.model.config.vocab_size, prompt)
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """A conversation rendered by the model's chat template."""
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer, so no chat template")
+        return self.tokenizer.apply_chat_template(messages)
+
     def check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """Raise InvalidRequest when a request can never run (called before it is queued)."""
         for ids in prompts:
@@ -100,34 +135,45 @@ class ServingEngine:
                                      "with a larger --kv-cache-mb", param="max_tokens",
                                      code="context_length_exceeded")
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request) -> list[Entry]:
+        """Queue a request: one sequence per prompt and sample (n). Samples of one prompt wait for
+        its first sample's prefill and then share it through the prefix cache."""
         self.check(request.prompts, request.params)
         params = request.params
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_ids))
         entries = []
         for i, ids in enumerate(request.prompts):
+            leader = None
             for j in range(params.n):
                 seed = params.seed + j if params.seed is not None else int.from_bytes(os.urandom(7), "little")
                 seq = Sequence(i * params.n + j, list(ids), params, torch.Generator().manual_seed(seed),
-                               next(self._slots), frozenset(stop_ids), self.llm.tokenizer,
-                               SpecMetrics(self.llm.proposer_name, self.llm.k))
-                entries.append(Entry(seq, request.id, request.arrival))
-        self._requests[request.id] = entries
-        self._sinks[request.id] = request.sink
+                               next(self._slots), frozenset(stop_ids), self.tokenizer,
+                               SpecMetrics(self.proposer_name, self.k))
+                entry = Entry(seq, request.id, request.arrival, leader=leader)
+                leader = leader or entry
+                entries.append(entry)
+        self._requests[request.id] = request
+        self._entries[request.id] = entries
         for e in entries:
             self.scheduler.add(e)
         self.stats.requests_received += 1
+        return entries
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request (client gone): its sequences leave and their blocks are freed."""
-        for e in self._requests.pop(request_id, []):
+        """Cancel a request (client gone, caller interrupted): its sequences leave and free their
+        blocks; what they committed stays in the prefix cache."""
+        for e in self._entries.pop(request_id, []):
             if not e.seq.finished:
                 self._leave(e)
-        self._sinks.pop(request_id, None)
+        self._requests.pop(request_id, None)
 
     @property
     def has_work(self) -> bool:
         return bool(self.scheduler.admitted or self.scheduler.waiting)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix that no live sequence holds (a benchmark's cold start)."""
+        self.pool.evict_cached()
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> None:
@@ -157,44 +203,56 @@ class ServingEngine:
         for e, start, _ in parts:
             self.target.cache.set_length(e.slot, start)
         t0 = time.perf_counter()
-        self.target.forward([e.slot for e, _, _ in parts], [e.seq.tokens[a:b] for e, a, b in parts], rows=None)
+        self.target.feed([e.slot for e, _, _ in parts], [e.seq.tokens[a:b] for e, a, b in parts])
         self.stats.prefill_s += time.perf_counter() - t0
         for e, _, end in parts:
-            self.target.cache.set_length(e.slot, end)
             self.scheduler.committed(e, end)
 
     def _round(self, entries: list[Entry], ks: list[int]) -> None:
         seqs = [e.seq for e in entries]
         before = [len(s.generated) for s in seqs]
         report = speculative_round(seqs, self.target, self.proposer, ks)
-        self.llm.learn(seqs, report)
-        self.stats.record_round(report)
+        self.learn(seqs, report)
         now = time.perf_counter()
         for e, s, n0 in zip(entries, seqs, before):
             self.scheduler.committed(e, len(s.tokens) - 1)
             new = s.generated[n0:]
-            if new and s.slot not in self._first_token:
-                self._first_token[s.slot] = now
+            if (new or s.finished) and e.first_token is None:
+                e.first_token = now
                 self.stats.ttft.append(now - e.arrival)
             self._send(e, new)
         for e in entries:                  # after every update went out (a request may finish whole)
             if e.seq.finished:
+                e.done = now
                 self._leave(e)
+
+    def learn(self, seqs: list[Sequence], report: RoundReport) -> None:
+        """Feed measured costs and acceptance into the K policy (used by k="auto")."""
+        costs = self.policy.costs
+        costs.record_verify(report.width, report.verify_s, len(seqs))
+        for source, (steps, seconds) in report.steps.items():
+            costs.record_propose(source, steps, seconds)
+        for source, (tokens, seconds) in (report.catchup or {}).items():
+            costs.record_catchup(source, tokens, seconds)
+        for s, src, k, n in zip(seqs, report.sources, report.num_draft, report.num_accepted):
+            self.policy.observe(s.slot, src, k, n)
 
     def _send(self, e: Entry, new_tokens: list[int]) -> None:
         s = e.seq
-        sink = self._sinks.get(e.request_id)
-        text = s.take_stream_delta() if s.tokenizer is not None else ""
-        if sink is None or (not new_tokens and not text and not s.finished):
+        request = self._requests.get(e.request_id)
+        if request is None:
             return
-        update = Update(e.request_id, s.index, text, new_tokens)
+        text = s.take_stream_delta() if request.text_deltas and s.tokenizer is not None else ""
+        if not new_tokens and not text and not s.finished:
+            return
+        update = Update(e.request_id, s.index, text, new_tokens, seq=s)
         if s.finished:
             m = s.metrics
             update.finish_reason = s.finish_reason
             update.prompt_tokens, update.completion_tokens = len(s.prompt_ids), len(s.generated)
             update.spec = {"proposer": m.proposer, "rounds": m.rounds, "drafted": m.proposed,
                            "accepted": m.accepted, "k_histogram": {str(k): v for k, v in sorted(m.k_histogram.items())}}
-        sink(update)
+        request.sink(update)
 
     def _free_caches(self, e: Entry) -> None:
         """Forget the entry's cache lengths and proposer state (its blocks are the scheduler's)."""
@@ -205,88 +263,22 @@ class ServingEngine:
         self.scheduler.finish(e)
         self._free_caches(e)
         self.policy.forget_slot(e.slot)
-        first = self._first_token.pop(e.slot, None)
-        s = e.seq
-        if s.finished:
-            self.stats.record_finished(s, e.arrival, first)
-            entries = self._requests.get(e.request_id, [])
-            if all(x.seq.finished for x in entries):
-                self._requests.pop(e.request_id, None)
-                self._sinks.pop(e.request_id, None)
+        self.stats.record_left(e.seq, e.arrival, e.first_token)
+        entries = self._entries.get(e.request_id, [])
+        if e.seq.finished and all(x.seq.finished for x in entries):
+            self._entries.pop(e.request_id, None)
+            self._requests.pop(e.request_id, None)
 
     def fail_all(self, message: str) -> None:
         """The engine hit an internal error: tell every live request and drop it."""
-        for request_id, entries in list(self._requests.items()):
-            sink = self._sinks.get(request_id)
+        for request_id, entries in list(self._entries.items()):
+            request = self._requests.get(request_id)
             for e in entries:
                 self.scheduler.finish(e)
                 self._free_caches(e)
                 self.policy.forget_slot(e.slot)
-                self._first_token.pop(e.slot, None)
-                if sink is not None and not e.seq.finished:
-                    sink(Update(request_id, e.seq.index, "", [], finish_reason="error", error=message))
+                if request is not None and not e.seq.finished:
+                    request.sink(Update(request_id, e.seq.index, "", [], finish_reason="error", error=message,
+                                        seq=e.seq))
+        self._entries.clear()
         self._requests.clear()
-        self._sinks.clear()
-
-
-class ServingLoop:
-    """Runs a ServingEngine on its own thread; `submit` and `cancel` are safe from any thread."""
-
-    def __init__(self, engine: ServingEngine, max_waiting: int = 256):
-        self.engine = engine
-        self.max_waiting = max_waiting
-        self._inbox: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
-        self.error: str | None = None
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._inbox.put(None)
-        self._thread.join(timeout)
-
-    @property
-    def queued(self) -> int:
-        return self.engine.scheduler.num_waiting + self._inbox.qsize()
-
-    def submit(self, request: Request) -> None:
-        self.engine.check(request.prompts, request.params)     # fail fast, in the caller's thread
-        self._inbox.put(("add", request))
-
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-
-    def _drain(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while item is not None:
-            kind, arg = item
-            if kind == "add":
-                try:
-                    self.engine.add(arg)
-                except Exception as err:           # refused (or broken) request: tell it, keep serving
-                    self.engine.abort(arg.id)
-                    arg.sink(Update(arg.id, 0, "", [], finish_reason="error", error=str(err)))
-            else:
-                self.engine.abort(arg)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                item = None
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._drain(block=not self.engine.has_work)
-            if not self.engine.has_work:
-                continue
-            try:
-                self.engine.step()
-            except Exception as err:       # keep serving: fail the live requests, not the process
-                self.error = f"{type(err).__name__}: {err}"
-                self.engine.fail_all(f"internal engine error: {self.error}")
-                self.engine.stats.engine_errors += 1
