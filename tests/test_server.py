@@ -390,3 +390,28 @@ def test_one_step_loop_gives_generate_the_engine_and_the_server_the_same_seeded_
     served = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
     assert generated == [stepped[0], stepped[1]] == served
     assert len(set(generated)) == 2 and all(generated)          # two different, non-empty samples
+
+
+def test_loadtest_alternates_configurations_within_each_level(monkeypatch):
+    """Two configurations take turns A B, B A within a level (drift hits both alike), each gets its
+    share of the level's requests, and the report gives their ratio."""
+    from types import SimpleNamespace
+
+    from verispec.bench.loadtest import RequestResult
+    from verispec.cli import loadtest
+
+    order = []
+
+    def fake_level(url, label, args, c, n, prompts):
+        order.append((label, c, n))
+        ok = [RequestResult(ok=True, ttft=0.1 if label == "A" else 0.2, e2e=1.0, completion_tokens=10)
+              for _ in range(n)]
+        return ok, 1.0 if label == "A" else 2.0
+
+    monkeypatch.setattr(loadtest, "_level", fake_level)
+    args = SimpleNamespace(requests=5, rounds=2, slo_ttft=5.0, slo_tpot=0.5)
+    rows = loadtest._interleaved([("u1", "A"), ("u2", "B")], args, [4], prompts=[])
+    assert order == [("A", 4, 3), ("B", 4, 3), ("B", 4, 2), ("A", 4, 2)]
+    assert [(r["server"], r["requests"]) for r in rows] == [("A", 5), ("B", 5)]
+    text = loadtest._ratios(rows, ["A", "B"])
+    assert "'B' at concurrency 4: throughput 0.50x, TTFT p99 2.00x" in text

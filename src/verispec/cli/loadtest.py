@@ -22,11 +22,17 @@ def add_parser(sub) -> None:
         description="Send streaming chat requests from the prompt suite at each concurrency level and report "
                     "TTFT, TPOT, ITL and end-to-end latency (median, p99), throughput and goodput, tokens "
                     "counted from the server's usage. Targets this machine only. Either --url an existing "
-                    "server, or --spawn ARGS (repeatable) to start `verispec serve ARGS` on a free port for "
-                    "each configuration in turn, e.g. --spawn '--proposer none' --spawn '--proposer ngram'.")
+                    "server, or --spawn ARGS (repeatable) to start `verispec serve ARGS` on a free port per "
+                    "configuration, e.g. --spawn '--proposer none' --spawn '--proposer ngram': every server "
+                    "starts first, then each level alternates between them (--rounds batches each, in "
+                    "A B, B A order) so that their ratio is measured at the same moments.")
     p.add_argument("--url", default=None, help="a running server (default http://127.0.0.1:8000 when no --spawn)")
     p.add_argument("--spawn", action="append", default=[], metavar="ARGS",
-                   help="start `verispec serve ARGS` for this configuration (repeatable; one at a time)")
+                   help="start `verispec serve ARGS` for this configuration (repeatable; all run side by side, "
+                        "only one is sent requests at a time)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="per level, how many times each configuration takes a turn (default 2; the level's "
+                        "requests are split between its turns)")
     p.add_argument("--model", default=None, help="model id to send (default: the server's first model)")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated levels (default 1,4,16)")
     p.add_argument("--requests", type=int, default=None,
@@ -94,22 +100,59 @@ def _first_model(url: str) -> str:
     return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def _run_against(url: str, label: str, args, levels, prompts) -> list[dict]:
+def _level(url: str, label: str, args, c: int, requests: int, prompts) -> tuple[list, float]:
     import asyncio
 
-    from verispec.bench.loadtest import format_rows, run_level, summarize
+    from verispec.bench.loadtest import run_level
 
     model = args.model or _first_model(url)
+    print(f"[{label}] concurrency {c}: {requests} requests …", file=sys.stderr, flush=True)
+    return asyncio.run(run_level(url, model, prompts, c, requests, args.max_tokens, args.time_limit))
+
+
+def _interleaved(servers: list[tuple[str, str]], args, levels, prompts) -> list[dict]:
+    """Every level: each server takes `rounds` turns, alternating A B, B A, …; one row per server and
+    level from all its turns (wall = the sum of its turns)."""
+    from verispec.bench.loadtest import format_rows, summarize
+
     rows = []
     for c in levels:
-        n = args.requests or max(4, c)
-        print(f"[{label}] concurrency {c}: {n} requests …", file=sys.stderr, flush=True)
-        results, wall = asyncio.run(run_level(url, model, prompts, c, n, args.max_tokens, args.time_limit))
-        row = summarize(results, wall, c, args.slo_ttft, args.slo_tpot)
-        row["server"] = label
-        rows.append(row)
-        print(format_rows(label, [row]).splitlines()[-1], file=sys.stderr, flush=True)
+        total = args.requests or max(4, c)
+        per_turn = [total // args.rounds + (1 if r < total % args.rounds else 0) for r in range(args.rounds)]
+        results: dict[str, list] = {label: [] for _, label in servers}
+        walls: dict[str, float] = {label: 0.0 for _, label in servers}
+        for r, n in enumerate(per_turn):
+            if n == 0:
+                continue
+            for url, label in (servers if r % 2 == 0 else servers[::-1]):
+                got, wall = _level(url, label, args, c, n, prompts)
+                results[label] += got
+                walls[label] += wall
+        for _, label in servers:
+            row = summarize(results[label], walls[label], c, args.slo_ttft, args.slo_tpot)
+            row["server"] = label
+            rows.append(row)
+            print(format_rows(label, [row]).splitlines()[-1], file=sys.stderr, flush=True)
     return rows
+
+
+def _ratios(rows: list[dict], labels: list[str]) -> str:
+    """Each configuration against the first, level by level (same moments, so drift cancels)."""
+    if len(labels) < 2:
+        return ""
+    by = {(r["server"], r["concurrency"]): r for r in rows}
+    lines = [f"ratios vs {labels[0]!r} (measured interleaved): throughput, TTFT p99"]
+    for label in labels[1:]:
+        for (server, c), row in by.items():
+            base = by.get((labels[0], c))
+            if server != label or base is None:
+                continue
+            tput = (row["throughput_tok_s"] / base["throughput_tok_s"]) if base["throughput_tok_s"] else None
+            t0, t1 = base["ttft_s"]["p99"], row["ttft_s"]["p99"]
+            lines.append(f"  {label!r} at concurrency {c}: throughput {tput:.2f}x, TTFT p99 "
+                         f"{(t1 / t0) if t0 and t1 else float('nan'):.2f}x" if tput is not None else
+                         f"  {label!r} at concurrency {c}: no throughput")
+    return "\n".join(lines)
 
 
 def run(args) -> int:
@@ -120,24 +163,30 @@ def run(args) -> int:
         raise VerispecError("--max-tokens, --requests and --time-limit must be positive")
     if args.url and args.spawn:
         raise VerispecError("give --url or --spawn, not both")
+    if args.rounds < 1:
+        raise VerispecError("--rounds must be positive")
     prompts = _messages(args.prompts)
-    all_rows: list[dict] = []
     if not args.spawn:
         url = (args.url or "http://127.0.0.1:8000").rstrip("/")
         check_loopback(url)
         _wait_healthy(url, None, timeout=10)
-        all_rows += _run_against(url, url, args, levels, prompts)
-    for spec in args.spawn:
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "verispec.cli.main", "serve", "--port", str(port), *shlex.split(spec)]
-        print(f"starting: verispec serve --port {port} {spec}", file=sys.stderr, flush=True)
-        proc = subprocess.Popen(cmd)
-        try:
-            _wait_healthy(url, proc)
-            all_rows += _run_against(url, spec or "default", args, levels, prompts)
-        finally:
+        servers, procs = [(url, url)], []
+    else:
+        servers, procs = [], []
+    try:
+        for spec in args.spawn:
+            port = _free_port()
+            url = f"http://127.0.0.1:{port}"
+            cmd = [sys.executable, "-m", "verispec.cli.main", "serve", "--port", str(port), *shlex.split(spec)]
+            print(f"starting: verispec serve --port {port} {spec}", file=sys.stderr, flush=True)
+            procs.append(subprocess.Popen(cmd))
+            _wait_healthy(url, procs[-1])           # one load at a time: loads do not compete for the cores
+            servers.append((url, spec or "default"))
+        all_rows = _interleaved(servers, args, levels, prompts)
+    finally:
+        for proc in procs:
             proc.send_signal(signal.SIGTERM)            # graceful drain
+        for proc in procs:
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
@@ -146,6 +195,8 @@ def run(args) -> int:
     for r in all_rows:
         by_server.setdefault(r["server"], []).append(r)
     tables = "\n\n".join(format_rows(label, rows) for label, rows in by_server.items())
+    ratios = _ratios(all_rows, [label for _, label in servers])
+    tables += ("\n\n" + ratios) if ratios else ""
     print(tables)
     command = invocation()
     if args.json_file:
@@ -159,6 +210,7 @@ def run(args) -> int:
                **machine()}                                # the build the spawned servers share (same cache)
         with open(args.json_file, "w") as f:
             json.dump({"command": command, "environment": env, "max_tokens": args.max_tokens,
+                       "interleaved": {"rounds": args.rounds, "order": "A B, B A, … per level"},
                        "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "rows": all_rows}, f, indent=2)
     if args.markdown:
         with open(args.markdown, "w") as f:
