@@ -67,8 +67,9 @@ class EngineStats:
             self.tpot.append((now - first_token) / (n - 1))
 
     def prometheus(self, running: int, waiting: int, kv_usage: float, prefix_hits: int,
-                   prefix_queries: int, model: str) -> str:
-        label = f'model_name="{model}"'
+                   prefix_queries: int, model: str, labels: str = "") -> str:
+        """labels: more label pairs for every sample, e.g. 'replica="0"'."""
+        label = f'model_name="{model}"' + (f",{labels}" if labels else "")
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:

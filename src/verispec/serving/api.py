@@ -21,9 +21,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from verispec.errors import InvalidRequest, VerispecError
 from verispec.serving import protocol
-from verispec.engine.engine import Engine, Update
-from verispec.engine.engine import Request as EngineRequest
+from verispec.engine.engine import Engine
 from verispec.engine.loop import EngineLoop
+from verispec.serving.backend import LocalBackend, Submission
 
 
 class ApiError(Exception):
@@ -50,10 +50,13 @@ class ServerConfig:
 
 
 class ServerState:
-    def __init__(self, config: ServerConfig, load: Callable[[], Engine]):
+    """load: builds the engine (served by a LocalBackend), or any backend with the same methods
+    (the Ray replicas' router)."""
+
+    def __init__(self, config: ServerConfig, load: Callable[[], Engine | object]):
         self.config = config
         self._load = load
-        self.loop: EngineLoop | None = None
+        self.backend = None
         self.load_error: str | None = None
         self.started = time.time()
         self._thread = threading.Thread(target=self._start, name="verispec-load", daemon=True)
@@ -63,25 +66,28 @@ class ServerState:
 
     def _start(self) -> None:
         try:
-            loop = EngineLoop(self._load(), self.config.max_waiting)
-            loop.start()
-            self.loop = loop
+            loaded = self._load()
+            if isinstance(loaded, Engine):
+                loop = EngineLoop(loaded, self.config.max_waiting)
+                loop.start()
+                loaded = LocalBackend(loop)
+            self.backend = loaded
         except Exception as err:                 # reported by /health and every request
             self.load_error = f"{type(err).__name__}: {err}"
 
-    def ready(self) -> EngineLoop:
+    def ready(self):
         if self.load_error:
             raise ApiError(503, f"the model failed to load: {self.load_error}", "server_error", code="model_load_failed")
-        if self.loop is None:
+        if self.backend is None:
             raise ApiError(503, "the model is still loading; retry shortly", "server_error", code="model_loading")
-        return self.loop
+        return self.backend
 
     def stop(self) -> None:
-        if self.loop is not None:
-            self.loop.stop()
+        if self.backend is not None:
+            self.backend.stop()
 
 
-def create_app(config: ServerConfig, load: Callable[[], Engine]) -> FastAPI:
+def create_app(config: ServerConfig, load: Callable[[], Engine | object]) -> FastAPI:
     state = ServerState(config, load)
 
     @asynccontextmanager
@@ -155,7 +161,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine]) -> FastAPI:
     async def health():
         if state.load_error:
             return JSONResponse({"status": "error", "error": state.load_error}, status_code=503)
-        if state.loop is None:
+        if state.backend is None:
             return JSONResponse({"status": "loading"}, status_code=503)
         return {"status": "ok"}
 
@@ -169,10 +175,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine]) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        loop = state.ready()
-        e = loop.engine
-        text = e.stats.prometheus(len(e.scheduler.admitted), loop.queued, e.pool.usage(), e.pool.hits,
-                                  e.pool.queries, config.model_name)
+        text = state.ready().metrics(config.model_name)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
@@ -185,47 +188,36 @@ def create_app(config: ServerConfig, load: Callable[[], Engine]) -> FastAPI:
 
     async def handle(request: Request, kind: str):
         authorize(request)
-        loop = state.ready()
+        backend = state.ready()
         body = await read_json(request)
-        engine = loop.engine
         try:
-            limit = engine.context_length * protocol.MAX_CHARS_PER_TOKEN        # checked before tokenizing
-            if kind == "chat":
-                parsed = protocol.parse_chat(body, config.default_max_tokens)
-                if engine.tokenizer is None or not engine.tokenizer.chat_template:
-                    raise InvalidRequest("this model has no chat template; use /v1/completions", param="messages")
-                protocol.check_length([m["content"] for m in parsed.messages], limit, "messages")
-                prompts = [engine.encode(engine.chat_prompt(parsed.messages))]
-            else:
-                parsed = protocol.parse_completion(body)
-                protocol.check_length([p for p in parsed.prompts if isinstance(p, str)], limit, "prompt")
-                prompts = [engine.encode(p) for p in parsed.prompts]
+            parsed = protocol.parse_chat(body, config.default_max_tokens) if kind == "chat" \
+                else protocol.parse_completion(body)
         except InvalidRequest as err:
             if err.param is None:
                 err.param = "messages" if kind == "chat" else "prompt"
             raise invalid(err) from None
         model = check_model(parsed.model)
-        if loop.queued >= config.max_waiting:
-            raise ApiError(429, f"the server is busy ({loop.queued} requests queued); retry later",
+        if backend.queued >= config.max_waiting:
+            raise ApiError(429, f"the server is busy ({backend.queued} requests queued); retry later",
                            "rate_limit_error", code="queue_full")
         rid = protocol.new_id(kind)
-        updates: asyncio.Queue[Update] = asyncio.Queue()
-        aio = asyncio.get_running_loop()
-        request_ = EngineRequest(rid, prompts, parsed.params,
-                                 lambda u: aio.call_soon_threadsafe(updates.put_nowait, u))
         try:
-            loop.submit(request_)
+            sub = backend.submit(kind, parsed, rid)
+            if asyncio.iscoroutine(sub):
+                sub = await sub
         except InvalidRequest as err:
             raise invalid(err) from None
-        expected = len(prompts) * parsed.params.n
+        headers = {"x-verispec-replica": sub.replica} if sub.replica is not None else {}
         if parsed.stream:
-            return StreamingResponse(stream(loop, kind, rid, model, parsed, updates, expected),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await collect(request, loop, kind, rid, model, parsed.params.n, updates, expected)
+            return StreamingResponse(stream(sub, kind, rid, model, parsed), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        response = await collect(request, sub, kind, rid, model, parsed.params.n)
+        response.headers.update(headers)
+        return response
 
-    async def collect(request: Request, loop: EngineLoop, kind: str, rid: str, model: str, n: int,
-                      updates: asyncio.Queue, expected: int):
+    async def collect(request: Request, sub: Submission, kind: str, rid: str, model: str, n: int):
+        updates, expected = sub.updates, sub.expected
         texts: dict[int, list[str]] = {i: [] for i in range(expected)}
         finish: dict[int, str] = {}
         prompt_tokens: dict[int, int] = {}
@@ -251,13 +243,14 @@ def create_app(config: ServerConfig, load: Callable[[], Engine]) -> FastAPI:
             done = True
         finally:
             if not done:                       # disconnected or failed: free its blocks now
-                loop.cancel(rid)
+                sub.cancel()
         prompt_total = sum(prompt_tokens[i] for i in range(0, expected, n))     # each prompt once, not n times
         choices = [protocol.choice(kind, i, "".join(texts[i]), finish[i]) for i in range(expected)]
-        return protocol.response(kind, rid, model, choices, protocol.usage(prompt_total, completion_tokens), spec)
+        return JSONResponse(protocol.response(kind, rid, model, choices,
+                                              protocol.usage(prompt_total, completion_tokens), spec))
 
-    async def stream(loop: EngineLoop, kind: str, rid: str, model: str, parsed, updates: asyncio.Queue,
-                     expected: int):
+    async def stream(sub: Submission, kind: str, rid: str, model: str, parsed):
+        updates, expected = sub.updates, sub.expected
         created = int(time.time())
         finished, completion_tokens = 0, 0
         prompt_tokens: dict[int, int] = {}
@@ -291,7 +284,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine]) -> FastAPI:
             done = True
         finally:
             if not done:                       # the client went away: free its blocks now
-                loop.cancel(rid)
+                sub.cancel()
 
     return app
 
