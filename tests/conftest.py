@@ -70,3 +70,31 @@ def tiny_text_model(seed: int = 0):
     from verispec.engine.loading import LoadedModel
 
     return LoadedModel(f"tiny-{seed}", tiny_model(seed, vocab=260), byte_tokenizer(), None, 0.0, False)
+
+
+def write_chat_model_dir(root):
+    """A tiny model saved as a Hugging Face directory (byte tokenizer, chat template) that a separate
+    process can load with --model. Its end-of-sequence rows are zeroed: greedy replies are printable
+    ASCII and run until max_tokens."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model, tok = tiny_model(0, vocab=260), byte_tokenizer()
+    with torch.no_grad():                            # a logit of 0 is never the argmax among 260 random ones:
+        for i in range(260):                         # printable ASCII only, and never <|im_end|>/<|endoftext|>
+            text = tok.decode([i]) if i < 256 else ""
+            if not (len(text) == 1 and " " <= text <= "~"):
+                model.lm_head.weight[i] = 0.0
+    cfg = model.config
+    (root / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "tie_word_embeddings": False, "eos_token_id": 256}))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(root / "model.safetensors"))
+    tok.tokenizer.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [256, 257]}))
+    return root

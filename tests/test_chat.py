@@ -11,35 +11,15 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
-from conftest import CHAT_TEMPLATE, byte_tokenizer, tiny_model
+from conftest import write_chat_model_dir
 
 pexpect = pytest.importorskip("pexpect")
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny-chat")
-    model, tok = tiny_model(0, vocab=260), byte_tokenizer()
-    with torch.no_grad():                            # a logit of 0 is never the argmax among 260 random ones:
-        for i in range(260):                         # printable ASCII only, and never <|im_end|>/<|endoftext|>
-            text = tok.decode([i]) if i < 256 else ""
-            if not (len(text) == 1 and " " <= text <= "~"):
-                model.lm_head.weight[i] = 0.0
-    cfg = model.config
-    (root / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "tie_word_embeddings": False, "eos_token_id": 256}))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(root / "model.safetensors"))
-    tok.tokenizer.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [256, 257]}))
-    return root
+    return write_chat_model_dir(tmp_path_factory.mktemp("tiny-chat"))
 
 
 def spawn(model_dir, *flags, env=None):

@@ -32,6 +32,13 @@ def add_parser(sub) -> None:
                    help="most prompt tokens prefilled per step, so long prompts do not stall streams (default 256)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queued sequences beyond which requests get HTTP 429 (default 256)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="run N engines as Ray Serve replicas behind this server, with prefix-affinity routing "
+                        "(needs: pip install 'verispec[serve,ray]'; docs/SCALING.md)")
+    p.add_argument("--threads-per-replica", type=int, default=None,
+                   help="CPU threads each replica uses (default: the machine's cores divided among the replicas)")
+    p.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (default: start a local Ray instance bound to 127.0.0.1)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=run)
 
@@ -44,10 +51,27 @@ def _check(args) -> None:
             raise VerispecError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
 
 
+def _check_replicas(args) -> None:
+    if args.replicas is None:
+        if args.threads_per_replica is not None or args.ray_address is not None:
+            raise VerispecError("--threads-per-replica and --ray-address go with --replicas N")
+        return
+    if not 1 <= args.replicas <= 64:
+        raise VerispecError(f"--replicas must be in 1 … 64, got {args.replicas}")
+    if args.threads_per_replica is not None and not 1 <= args.threads_per_replica <= 1024:
+        raise VerispecError(f"--threads-per-replica must be in 1 … 1024, got {args.threads_per_replica}")
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError:
+        raise VerispecError("--replicas needs Ray Serve: pip install 'verispec[serve,ray]'") from None
+
+
 def run(args) -> int:
     import os
 
     _check(args)
+    _check_replicas(args)
     try:
         import uvicorn
 
@@ -56,13 +80,26 @@ def run(args) -> int:
         raise VerispecError(f"verispec serve needs the serve extra ({err.name} is missing): "
                             "pip install 'verispec[serve]'") from None
     from verispec.cli.generate import build_llm
-    from verispec.engine.engine import Engine
 
     name = args.served_model_name or os.path.basename(str(args.model)).removesuffix(".gguf")
     config = ServerConfig(name, api_key=args.api_key or os.environ.get("VERISPEC_API_KEY"),
                           max_waiting=args.max_waiting)
 
-    def load() -> Engine:
+    router = None
+    if args.replicas is not None:
+        # Ray starts here, on the main thread: its processes are bound to the thread that starts them.
+        from verispec.serving.replicas import start_replicas
+
+        threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // args.replicas)
+        print(f"verispec: starting {args.replicas} Ray Serve replicas of {args.model} ({threads} threads each) …",
+              file=sys.stderr, flush=True)
+        router = start_replicas(args, args.replicas, threads, args.ray_address)
+        print(f"verispec: serving {name} on http://{args.host}:{args.port}/v1 from {args.replicas} replicas",
+              file=sys.stderr, flush=True)
+
+    def load():
+        if router is not None:
+            return router
         llm = build_llm(args)
         engine = llm.engine(kv_budget_mb=args.kv_cache_mb, block_size=args.block_size,
                             max_running=args.max_running, prefill_budget=args.prefill_chunk)

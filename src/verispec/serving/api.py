@@ -176,6 +176,8 @@ def create_app(config: ServerConfig, load: Callable[[], Engine | object]) -> Fas
     @app.get("/metrics")
     async def metrics():
         text = state.ready().metrics(config.model_name)
+        if asyncio.iscoroutine(text):
+            text = await text
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
