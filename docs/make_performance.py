@@ -237,7 +237,9 @@ def llamacpp_section(bench: dict | None, current: dict | None = None) -> list[st
     out += [f"Command: `{command_line(bench)}` ([report](results/bench-llamacpp.md)). llama.cpp "
             "(llama-cpp-python, built from source with its native CPU flags) runs the same GGUF file with "
             "the same thread count: its own Q4_K/Q6_K kernels with 8-bit activations, where verispec runs its "
-            "default format (Q4_K tensors in int4, the rest int8; 16-bit activations). Its prompt-lookup mode is `LlamaPromptLookupDecoding` "
+            "default format (Q4_K tensors in int4 with activations rounded to 8 bits per group of 32 as "
+            "llama.cpp does — 16 bits in runs made before kernel ABI 12 — and the rest int8 with 16-bit "
+            "activations). Its prompt-lookup mode is `LlamaPromptLookupDecoding` "
             "(10 tokens), the only speculative mode the Python package has. Tokens/s include prefill; "
             "ratios are measured in the same run on the same prompts. Greedy outputs of llama.cpp differ "
             "from ours where the two numerics pick different tokens.", ""]
@@ -262,7 +264,7 @@ def formats_section(formats: dict | None) -> list[str]:
     avx512 = "avx512f" in formats.get("environment", {}).get("cpu_flags", [])
     bandwidth = 35e9 if avx512 else 20e9         # 2-thread read bandwidth: Zen 4 ~25–45 GB/s, Zen 3 ~20 GB/s
     out += [f"Command: `python docs/measure_formats.py`. Environment: {env_line(formats)}. Decode tok/s: plain "
-            "greedy, 64 tokens, prefill excluded, median of 3. Quality: against fp32 on a fixed 150-token text. "
+            "greedy, 64 tokens, prefill excluded, median of 5, the formats alternated. Quality: against fp32 on a fixed 150-token text. "
             f"Bandwidth floor: bytes of weights read per token ÷ ~{bandwidth / 1e9:.0f} GB/s (this machine kind's "
             "2-thread read bandwidth).", ""]
     bytes_per_param = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.62}  # int4: Q4_K layers at 5 bits, the rest int8

@@ -3,7 +3,7 @@
     python docs/measure_formats.py [--out docs/results/formats.json]
 
 - decode tok/s: plain greedy decoding, 64 new tokens after a chat prompt, prefill excluded,
-  median of 3 runs after one warm-up (`RequestOutput.tokens_per_s`);
+  median of 5 runs after one warm-up (`RequestOutput.tokens_per_s`), the formats alternated;
 - quality: top-1 agreement and mean KL(fp32 ‖ format) of the next-token distributions at every
   position of a fixed 150-token text (code and prose);
 - peak RSS: a fresh process loads the pair (1.5B target + 0.5B draft) in the format and generates
@@ -44,17 +44,27 @@ The output distribution is exactly the large model's, because rejected proposals
 from the residual distribution max(0, p - q), normalised.'''
 
 
-def decode_speed(name: str, fmt: str) -> dict:
+def decode_speeds(name: str, rounds: int = 5) -> dict:
+    """Every format loaded side by side, then `rounds` rounds of one 64-token run each, the formats'
+    order rotating every round: the machine's drift (its speed moves by ±20 % over minutes) hits
+    every format alike instead of whichever ran during a slow minute."""
     from verispec import LLM, SamplingParams
 
-    t = time.perf_counter()
-    llm = LLM(name, proposer="none", dtype=fmt)
-    load = time.perf_counter() - t
-    prompt = llm.chat_prompt([{"role": "user", "content": PROMPT}])
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))
-    rates = [llm.generate([prompt], SamplingParams(temperature=0, max_tokens=64))[0].tokens_per_s for _ in range(3)]
-    return {"load_s": round(load, 2), "tok_s_runs": [round(r, 2) for r in rates],
-            "tok_s": round(statistics.median(rates), 2)}
+    llms, load = {}, {}
+    for fmt in FORMATS:
+        t = time.perf_counter()
+        llms[fmt] = LLM(name, proposer="none", dtype=fmt)
+        load[fmt] = time.perf_counter() - t
+    prompt = llms[FORMATS[0]].chat_prompt([{"role": "user", "content": PROMPT}])
+    for llm in llms.values():
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))
+    rates: dict[str, list[float]] = {fmt: [] for fmt in FORMATS}
+    for r in range(rounds):
+        for fmt in FORMATS[r % len(FORMATS):] + FORMATS[:r % len(FORMATS)]:
+            out = llms[fmt].generate([prompt], SamplingParams(temperature=0, max_tokens=64))[0]
+            rates[fmt].append(out.tokens_per_s)
+    return {fmt: {"load_s": round(load[fmt], 2), "tok_s_runs": [round(x, 2) for x in rates[fmt]],
+                  "tok_s": round(statistics.median(rates[fmt]), 2)} for fmt in FORMATS}
 
 
 def all_logits(model, ids):
@@ -115,7 +125,7 @@ def main() -> None:
 
     result = {"command": "python docs/measure_formats.py", "environment": environment(), "models": {}}
     for name in (DRAFT, TARGET):
-        entry = {fmt: decode_speed(name, fmt) for fmt in FORMATS}
+        entry = decode_speeds(name)
         for fmt, q in quality(name).items():
             entry[fmt] |= q
         result["models"][name] = entry

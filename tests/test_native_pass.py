@@ -197,7 +197,10 @@ def test_native_pass_runs_int4_layers_like_the_torch_layers():
         advance(cache, [0, 1], prompts)
     for chunks in ([[5], [7]], [[1, 2, 3, 4, 5], [9, 8]]):
         out = {n: run(model, c, [0, 1], chunks, n) for n, c in caches.items()}
-        torch.testing.assert_close(out[True], out[False], rtol=1e-3, atol=5e-4 * out[False].abs().max().item())
+        # The two passes differ in RMSNorm's last bits; an int4 linear rounds its activations to 8 bits
+        # per group, so such a difference can move a rounding by one step (~0.4 % of the group's
+        # largest value) — the outputs agree in norm, not element by element.
+        assert (out[True] - out[False]).norm() < 1e-2 * out[False].norm()
         for c in caches.values():
             advance(c, [0, 1], chunks)
 

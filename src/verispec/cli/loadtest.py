@@ -21,12 +21,13 @@ def add_parser(sub) -> None:
         "loadtest", help="measure TTFT, TPOT, ITL, latency, throughput and goodput of a local server",
         description="Send streaming chat requests from the prompt suite at each concurrency level and report "
                     "TTFT, TPOT, ITL and end-to-end latency (median, p99), throughput and goodput, tokens "
-                    "counted from the server's usage. Targets this machine only. Either --url an existing "
-                    "server, or --spawn ARGS (repeatable) to start `verispec serve ARGS` on a free port per "
+                    "counted from the server's usage. Targets this machine only. --url a running server "
+                    "(repeatable), and/or --spawn ARGS (repeatable) to start `verispec serve ARGS` on a free port per "
                     "configuration, e.g. --spawn '--proposer none' --spawn '--proposer ngram': every server "
                     "starts first, then each level alternates between them (--rounds batches each, in "
                     "A B, B A order) so that their ratio is measured at the same moments.")
-    p.add_argument("--url", default=None, help="a running server (default http://127.0.0.1:8000 when no --spawn)")
+    p.add_argument("--url", action="append", default=[],
+                   help="a running server on this machine (repeatable; default http://127.0.0.1:8000 when no --spawn)")
     p.add_argument("--spawn", action="append", default=[], metavar="ARGS",
                    help="start `verispec serve ARGS` for this configuration (repeatable; all run side by side, "
                         "only one is sent requests at a time)")
@@ -161,18 +162,15 @@ def run(args) -> int:
     levels = _levels(args.concurrency)
     if args.max_tokens < 1 or (args.requests is not None and args.requests < 1) or args.time_limit <= 0:
         raise VerispecError("--max-tokens, --requests and --time-limit must be positive")
-    if args.url and args.spawn:
-        raise VerispecError("give --url or --spawn, not both")
     if args.rounds < 1:
         raise VerispecError("--rounds must be positive")
     prompts = _messages(args.prompts)
-    if not args.spawn:
-        url = (args.url or "http://127.0.0.1:8000").rstrip("/")
+    servers, procs = [], []
+    for url in args.url or ([] if args.spawn else ["http://127.0.0.1:8000"]):
+        url = url.rstrip("/")
         check_loopback(url)
         _wait_healthy(url, None, timeout=10)
-        servers, procs = [(url, url)], []
-    else:
-        servers, procs = [], []
+        servers.append((url, url))
     try:
         for spec in args.spawn:
             port = _free_port()

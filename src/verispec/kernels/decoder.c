@@ -35,13 +35,16 @@ typedef struct {
     linear_weights down;                                    /* C outputs from I */
 } layer_weights;
 
-/* y (R, N) = the rows already rounded in qx / sx through one linear (xs: scratch for int4's group sums). */
-static void linear_ws(const linear_weights *lw, const int16_t *qx, const float *sx, float *xs, float *y,
+/* y (R, N) = x (R, K) through one linear, its rows rounded as the linear's format wants (int8: 16-bit
+   per row; int4: 8-bit per group of 32). Scratch: qx (R · kpad(K) int16), sx (R + 2 R · K/32 floats). */
+static void linear_ws(const linear_weights *lw, const float *x, int16_t *qx, float *sx, float *y,
                       long R, long N, long K) {
     if (lw->format == 1) {
-        vs_group_sums_ws(qx, R, K, xs);
-        vs_int4_gemm_ws(qx, sx, xs, lw->w, lw->scale, lw->mins, y, R, N, K);
+        float *xs = sx + R * (K / 32);
+        vs_quantize_groups8_ws(x, R, K, (int8_t *)qx, sx, xs);
+        vs_int4_gemm_ws((const int8_t *)qx, sx, xs, lw->w, lw->scale, lw->mins, y, R, N, K);
     } else {
+        vs_quantize_rows_ws(x, R, K, qx, sx);
         vs_int8_gemm_ws(qx, sx, lw->w, lw->scale, y, R, N, K);
     }
 }
@@ -140,30 +143,26 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
     long maxp = 0;
     for (long r = 0; r < R; r++) maxp = pos[r] > maxp ? pos[r] : maxp;
     long SP = spad(maxp + 1);
-    size_t floats = (size_t)R * (2 * C + QW + H * D + 3 * I) + R + (size_t)R * (KMAX / 32 + 1) + (size_t)SP * GMAX * threads;
+    size_t floats = (size_t)R * (2 * C + QW + H * D + 3 * I) + (size_t)R * (2 * (KMAX / 32) + 1) + (size_t)SP * GMAX * threads;
     float *arena = malloc(sizeof(float) * floats + sizeof(int16_t) * R * KMAX + 64);
     if (!arena) return -1;
     float *xn = arena, *tmp = xn + R * C, *qkv = tmp + R * C, *att = qkv + R * QW, *gu = att + R * H * D;
-    float *act = gu + R * 2 * I, *sx = act + R * I, *xs = sx + R, *scratch = xs + R * (KMAX / 32 + 1);
+    float *act = gu + R * 2 * I, *sx = act + R * I, *scratch = sx + R * (2 * (KMAX / 32) + 1);
     int16_t *qx = (int16_t *)(scratch + (size_t)SP * GMAX * threads);
 #pragma omp parallel num_threads(threads)
     for (long l = 0; l < dm->layers; l++) {
         const layer_weights *w = lw + l;
         kv_view kv = {kstore + l * layer_stride, vstore + l * layer_stride, tables, nb, bs, blk_stride, head_stride};
         rmsnorm_ws(x, w->ln1, xn, R, C, dm->eps);
-        vs_quantize_rows_ws(xn, R, C, qx, sx);
-        linear_ws(&w->qkv, qx, sx, xs, qkv, R, QW, C);
+        linear_ws(&w->qkv, xn, qx, sx, qkv, R, QW, C);
         qkv_post_ws(qkv, w->qkv_bias, cos, sin, pos, &kv, R, T, H, Hkv, D);
         vs_attend_ws(qkv, QW, &kv, pos, att, B, H, Hkv, T, D, dm->scale, scratch, SP);
-        vs_quantize_rows_ws(att, R, H * D, qx, sx);
-        linear_ws(&w->o, qx, sx, xs, tmp, R, C, H * D);
+        linear_ws(&w->o, att, qx, sx, tmp, R, C, H * D);
         add_rows_ws(x, tmp, R, C);
         rmsnorm_ws(x, w->ln2, xn, R, C, dm->eps);
-        vs_quantize_rows_ws(xn, R, C, qx, sx);
-        linear_ws(&w->gu, qx, sx, xs, gu, R, 2 * I, C);
+        linear_ws(&w->gu, xn, qx, sx, gu, R, 2 * I, C);
         silu_mul_ws(gu, act, R, I);
-        vs_quantize_rows_ws(act, R, I, qx, sx);
-        linear_ws(&w->down, qx, sx, xs, tmp, R, C, I);
+        linear_ws(&w->down, act, qx, sx, tmp, R, C, I);
         add_rows_ws(x, tmp, R, C);
     }
     free(arena);

@@ -1,12 +1,15 @@
 /* The int4 matmul: weights on a 16-level affine grid per group of 32 along k (how Q4_K GGUF tensors
  * are stored), w[n, k] = min[n, g] + q[n, k] · scale[n, g] with q in 0 … 15 and g = k / 32; scale
- * and min in fp16. Activations are rounded to 16-bit integers per row exactly as for int8 (gemm.c:
- * qx, sx), so with X[m, g] = Σ_{k in g} qx[m, k] and I[m, n, g] = Σ_{k in g} q[n, k] · qx[m, k]
- *   y[m, n] = sx[m] · Σ_g ( scale[n, g] · I[m, n, g] + min[n, g] · X[m, g] )
- * where I (|I| ≤ 32 · 15 · 32767 < 2²⁴) and X are exact integers, exact in fp32 too; the sum over g is
- * two fp32 FMAs per group in ascending g, then one product with sx. A row's result is that one
- * sequence of operations whatever M is (row-exact), and the AVX2 and AVX-512 variants run the same
- * integer sums and fp32 operations lane for lane (the same bits).
+ * and min in fp16. Activations are rounded to 8-bit integers per row and group of 32 (as llama.cpp's
+ * Q8 activations are): x[m, k] ≈ q8[m, k] · s8[m, g] with s8 = max |x| / 127 over the group. With
+ * I[m, n, g] = Σ_{k in g} q[n, k] · q8[m, k] (an exact integer, |I| ≤ 32 · 15 · 127) and the group's
+ * exact float sum X[m, g] = Σ_{k in g} x[m, k]
+ *   y[m, n] = Σ_g ( I[m, n, g] · (scale[n, g] · s8[m, g]) + min[n, g] · X[m, g] )
+ * in ascending g, one product and two fp32 FMAs per group. A u8 × s8 dot product of 4 pairs is one
+ * lane of vpdpbusd (AVX-512 VNNI), or vpmaddubsw + vpmaddwd on AVX2 (no pair sum reaches 2¹⁵, so
+ * neither saturates): 64 multiply-adds per instruction where 16-bit activations gave 32. A row's
+ * result is that one sequence of operations whatever M is (row-exact), and the AVX2 and AVX-512
+ * variants run the same integer sums and fp32 operations lane for lane (the same bits).
  *
  * Layout (kernels.pack_int4), 16 output columns per block, zero past N:
  *   wp (ceil(N/16), K/32, 4, 16) uint32: for block b, group g, chunk j (k = 32g + 8j … 32g + 8j + 7),
@@ -15,23 +18,52 @@
  *     int16 pair (q[k], q[k+1]) that vpdpwssd / vpmaddwd multiply with the activation pair.
  *   scale, min (ceil(N/16), K/32, 16) fp16.
  * 5 bits per weight (4 + 2 × 16 / 32): a 1-row pass reads ~60 % of what int8 reads.
+ * In a word, (word & 0x0F0F0F0F) holds the bytes (q[k], q[k+4], q[k+1], q[k+5]) and
+ * ((word >> 4) & 0x0F0F0F0F) the bytes (q[k+2], q[k+6], q[k+3], q[k+7]) with k = 32g + 8j, so the
+ * activations are stored in that order within each 8 (Q8_ORDER) and a word of four meets its weights.
  */
 #include "kernels.h"
 
 #define MG4 6           /* activation rows per group */
 
-static inline int32_t pair32(const int16_t *p) {
+static const int Q8_ORDER[8] = {0, 4, 1, 5, 2, 6, 3, 7};   /* stored position i holds x[k + Q8_ORDER[i]] */
+
+static inline int32_t word32(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
+/* x (M, K) float32 -> q8 (M, K) int8 in Q8_ORDER within each 8, s8 and xsum (M, K/32). */
+void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s8, float *xsum) {
+    long G = K / 32;
+#pragma omp for schedule(static)
+    for (long m = 0; m < M; m++)
+        for (long g = 0; g < G; g++) {
+            const float *xg = x + m * K + 32 * g;
+            float amax = 0.0f, sum = 0.0f;
+            for (int t = 0; t < 32; t++) {
+                float a = fabsf(xg[t]);
+                amax = a > amax ? a : amax;
+                sum += xg[t];
+            }
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *qg = q8 + m * K + 32 * g;
+            for (int t = 0; t < 32; t++) {
+                long v = lrintf(xg[(t & ~7) + Q8_ORDER[t & 7]] * inv);
+                qg[t] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+            }
+            s8[m * G + g] = amax / 127.0f;
+            xsum[m * G + g] = sum;
+        }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* One 16-column block for MM rows: a zmm lane is a column. */
 #define KERNEL4(MM)                                                                                \
-    static void q4_##MM(const int16_t *qx, long KP, const float *sx, const float *xs, const uint32_t *wp, \
+    static void q4_##MM(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp, \
                         const uint16_t *sc, const uint16_t *mn, float *y, long N, long G, long b) {  \
-        const __m512i lo4 = _mm512_set1_epi32(0x000F000F);                                        \
+        const __m512i lo4 = _mm512_set1_epi32(0x0F0F0F0F);                                        \
         __m512 acc[MM];                                                                           \
         for (int m = 0; m < MM; m++) acc[m] = _mm512_setzero_ps();                                \
         for (long g = 0; g < G; g++) {                                                            \
@@ -44,32 +76,31 @@ static inline int32_t pair32(const int16_t *p) {
             _mm_prefetch((const char *)(wg + 4 * 64 + 48), _MM_HINT_T0);                         \
             for (int j = 0; j < 4; j++) {                                                         \
                 __m512i d = _mm512_loadu_si512((const void *)(wg + 16 * j));                      \
-                __m512i w[4] = {_mm512_and_si512(d, lo4), _mm512_and_si512(_mm512_srli_epi32(d, 4), lo4), \
-                                _mm512_and_si512(_mm512_srli_epi32(d, 8), lo4), _mm512_srli_epi16(d, 12)}; \
+                __m512i lo = _mm512_and_si512(d, lo4), hi = _mm512_and_si512(_mm512_srli_epi32(d, 4), lo4); \
                 for (int m = 0; m < MM; m++) {                                                    \
-                    const int16_t *xr = qx + m * KP + 32 * g + 8 * j;                             \
-                    for (int i = 0; i < 4; i++)                                                   \
-                        isum[m] = _mm512_dpwssd_epi32(isum[m], w[i], _mm512_set1_epi32(pair32(xr + 2 * i))); \
+                    const int8_t *xr = q8 + m * K + 32 * g + 8 * j;                               \
+                    isum[m] = _mm512_dpbusd_epi32(isum[m], lo, _mm512_set1_epi32(word32(xr)));    \
+                    isum[m] = _mm512_dpbusd_epi32(isum[m], hi, _mm512_set1_epi32(word32(xr + 4))); \
                 }                                                                                 \
             }                                                                                     \
             __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + (b * G + g) * 16)));   \
             __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + (b * G + g) * 16)));  \
             for (int m = 0; m < MM; m++) {                                                        \
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), s, acc[m]);                 \
+                __m512 t = _mm512_mul_ps(s, _mm512_set1_ps(s8[m * G + g]));                       \
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), t, acc[m]);                 \
                 acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[m * G + g]), acc[m]);              \
             }                                                                                     \
         }                                                                                         \
         long c = 16 * b, left = N - c;                                                            \
         __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);             \
-        for (int m = 0; m < MM; m++)                                                              \
-            _mm512_mask_storeu_ps(y + m * N + c, k, _mm512_mul_ps(acc[m], _mm512_set1_ps(sx[m]))); \
+        for (int m = 0; m < MM; m++) _mm512_mask_storeu_ps(y + m * N + c, k, acc[m]);            \
     }
 #else
 /* One 16-column block for MM rows as two halves of 8 columns (ymm lanes). */
 #define KERNEL4(MM)                                                                                \
-    static void q4_##MM(const int16_t *qx, long KP, const float *sx, const float *xs, const uint32_t *wp, \
+    static void q4_##MM(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp, \
                         const uint16_t *sc, const uint16_t *mn, float *y, long N, long G, long b) {  \
-        const __m256i lo4 = _mm256_set1_epi32(0x000F000F);                                        \
+        const __m256i lo4 = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);          \
         for (int h = 0; h < 2; h++) {                                                             \
             __m256 acc[MM];                                                                       \
             for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();                            \
@@ -81,19 +112,20 @@ static inline int32_t pair32(const int16_t *p) {
                 _mm_prefetch((const char *)(wg + 4 * 64 + 32), _MM_HINT_T0);                     \
                 for (int j = 0; j < 4; j++) {                                                     \
                     __m256i d = _mm256_loadu_si256((const __m256i *)(wg + 16 * j));               \
-                    __m256i w[4] = {_mm256_and_si256(d, lo4), _mm256_and_si256(_mm256_srli_epi32(d, 4), lo4), \
-                                    _mm256_and_si256(_mm256_srli_epi32(d, 8), lo4), _mm256_srli_epi16(d, 12)}; \
+                    __m256i lo = _mm256_and_si256(d, lo4), hi = _mm256_and_si256(_mm256_srli_epi32(d, 4), lo4); \
                     for (int m = 0; m < MM; m++) {                                                \
-                        const int16_t *xr = qx + m * KP + 32 * g + 8 * j;                         \
-                        for (int i = 0; i < 4; i++)                                               \
-                            isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(                \
-                                w[i], _mm256_set1_epi32(pair32(xr + 2 * i))));                    \
+                        const int8_t *xr = q8 + m * K + 32 * g + 8 * j;                           \
+                        __m256i p = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word32(xr)));      \
+                        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(p, ones));          \
+                        p = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word32(xr + 4)));          \
+                        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(p, ones));          \
                     }                                                                             \
                 }                                                                                 \
                 __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + (b * G + g) * 16 + 8 * h))); \
                 __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + (b * G + g) * 16 + 8 * h))); \
                 for (int m = 0; m < MM; m++) {                                                    \
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), s, acc[m]);             \
+                    __m256 t = _mm256_mul_ps(s, _mm256_set1_ps(s8[m * G + g]));                   \
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), t, acc[m]);             \
                     acc[m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[m * G + g]), acc[m]);          \
                 }                                                                                 \
             }                                                                                     \
@@ -101,36 +133,24 @@ static inline int32_t pair32(const int16_t *p) {
             if (left <= 0) break;                                                                 \
             __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left < 8 ? (int)left : 8),        \
                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));         \
-            for (int m = 0; m < MM; m++)                                                          \
-                _mm256_maskstore_ps(y + m * N + c, mask, _mm256_mul_ps(acc[m], _mm256_set1_ps(sx[m]))); \
+            for (int m = 0; m < MM; m++) _mm256_maskstore_ps(y + m * N + c, mask, acc[m]);       \
         }                                                                                         \
     }
 #endif
 
 KERNEL4(1) KERNEL4(2) KERNEL4(3) KERNEL4(4) KERNEL4(5) KERNEL4(6)
-typedef void (*q4_fn)(const int16_t *, long, const float *, const float *, const uint32_t *, const uint16_t *,
+typedef void (*q4_fn)(const int8_t *, long, const float *, const float *, const uint32_t *, const uint16_t *,
                       const uint16_t *, float *, long, long, long);
 static const q4_fn Q4[MG4 + 1] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6};
 
-void vs_group_sums_ws(const int16_t *qx, long M, long K, float *xs) {
-    long G = K / 32;
-#pragma omp for schedule(static)
-    for (long m = 0; m < M; m++)
-        for (long g = 0; g < G; g++) {
-            int32_t s = 0;
-            for (int t = 0; t < 32; t++) s += qx[m * kpad(K) + 32 * g + t];
-            xs[m * G + g] = (float)s;
-        }
-}
-
-void vs_int4_gemm_ws(const int16_t *qx, const float *sx, const float *xs, const uint32_t *wp, const uint16_t *sc,
+void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint16_t *sc,
                      const uint16_t *mn, float *y, long M, long N, long K) {
     long G = K / 32, blocks = (N + 15) / 16, groups = (M + MG4 - 1) / MG4;
 #pragma omp for schedule(static)
     for (long b = 0; b < blocks; b++)
         for (long gi = 0, m0 = 0; gi < groups; gi++) {          /* rows in near-equal groups */
             long mm = (M - m0) / (groups - gi) + ((M - m0) % (groups - gi) != 0);
-            Q4[mm](qx + m0 * kpad(K), kpad(K), sx + m0, xs + m0 * G, wp, sc, mn, y + m0 * N, N, G, b);
+            Q4[mm](q8 + m0 * K, K, s8 + m0 * G, xs + m0 * G, wp, sc, mn, y + m0 * N, N, G, b);
             m0 += mm;
         }
 }
@@ -140,16 +160,15 @@ void vs_int4_gemm_ws(const int16_t *qx, const float *sx, const float *xs, const 
 int verispec_int4_gemm(const float *x, const uint32_t *wp, const uint16_t *sc, const uint16_t *mn, float *y,
                        long M, long N, long K, int threads) {
     if (K % 32) return -1;
-    float *xs = malloc(sizeof(float) * (M * (K / 32) + M) + sizeof(int16_t) * M * kpad(K) + 64);
-    if (!xs) return -2;
-    float *sx = xs + M * (K / 32);
-    int16_t *qx = (int16_t *)(sx + M);
+    float *s8 = malloc(sizeof(float) * 2 * M * (K / 32) + M * K + 64);
+    if (!s8) return -2;
+    float *xs = s8 + M * (K / 32);
+    int8_t *q8 = (int8_t *)(xs + M * (K / 32));
 #pragma omp parallel num_threads(threads)
     {
-        vs_quantize_rows_ws(x, M, K, qx, sx);
-        vs_group_sums_ws(qx, M, K, xs);
-        vs_int4_gemm_ws(qx, sx, xs, wp, sc, mn, y, M, N, K);
+        vs_quantize_groups8_ws(x, M, K, q8, s8, xs);
+        vs_int4_gemm_ws(q8, s8, xs, wp, sc, mn, y, M, N, K);
     }
-    free(xs);
+    free(s8);
     return 0;
 }

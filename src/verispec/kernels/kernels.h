@@ -13,7 +13,7 @@
 #include <omp.h>
 #endif
 
-#define ABI 11
+#define ABI 12
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -48,9 +48,10 @@ void vs_quantize_rows_ws(const float *x, long M, long K, int16_t *qx, float *sx)
 void vs_int8_gemm_ws(const int16_t *qx, const float *sx, const int8_t *wp, const float *scale, float *y,
                      long M, long N, long K);
 
-/* int4 matmul on the same rounded rows (gemm4.c): xs (M, K/32) the rows' group sums of qx. */
-void vs_group_sums_ws(const int16_t *qx, long M, long K, float *xs);
-void vs_int4_gemm_ws(const int16_t *qx, const float *sx, const float *xs, const uint32_t *wp, const uint16_t *sc,
+/* int4 matmul (gemm4.c): round each row of x (M, K) to int8 per group of 32 (q8: M × K int8 in the
+   kernel's order, s8: the groups' scales, xs: their exact sums, both M × K/32), then y (M, N). */
+void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s8, float *xs);
+void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint16_t *sc,
                      const uint16_t *mn, float *y, long M, long N, long K);
 
 /* Where a layer's keys and values live: position s of batch row b, KV head h, dimension d is at

@@ -12,8 +12,10 @@ q in 0..15 — an affine 16-level grid per group, which is exactly how Q4_K GGUF
 A weight is put in int4 only when every group already lies on such a grid (a Q4_K tensor); any
 other weight (Q6_K, fp16, …) stays int8. Scales and minimums are kept in fp16 (5 bits per weight in
 all: a decode step reads ~60 % of int8's bytes), which moves a weight by at most ~0.4 % of its
-group's step against the file. The matmul is kernels/gemm4.c (same rounded activations, integer
-sums per group); without the native kernel the layer dequantizes once and runs in float32.
+group's step against the file. The matmul is kernels/gemm4.c: activations rounded to 8 bits per row
+and group of 32 (as llama.cpp rounds them for its 4-bit formats), integer sums per group, 64
+multiply-adds per vector instruction; without the native kernel the layer dequantizes once and runs
+in float32.
 """
 
 from __future__ import annotations
