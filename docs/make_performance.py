@@ -287,6 +287,15 @@ def formats_section(formats: dict | None) -> list[str]:
     rss = formats.get("pair_peak_rss_mb", {})
     out += ["", "Peak RSS of a process running the pair (1.5B target + 0.5B draft, draft proposer, 32 tokens): "
             + ", ".join(f"{fmt} {mb / 1024:.2f} GiB" for fmt, mb in rss.items()) + ".", ""]
+    for name, kv in formats.get("kv_cache", {}).items():
+        out += [f"KV cache formats (`--kv-dtype`, `python docs/measure_formats.py --kv-only`), {name} with its "
+                f"default weights: quality against the float32 cache on the same text; plain decode after a "
+                f"{kv['prompt_tokens']}-token prompt, median of 5 alternated runs; positions one GiB of cache holds.", ""]
+        out += table(["KV format", "top-1 vs float32 cache", "KL", "decode tok/s", "runs", "positions / GiB"],
+                     [[fmt, f(e["top1_agreement"], "%.4g"), f(e["mean_kl"], "%.4f"), f(e["tok_s"]),
+                       ", ".join(str(x) for x in e["tok_s_runs"]), f"{e['positions_per_gib']:,}"]
+                      for fmt, e in kv.items() if isinstance(e, dict)])
+        out += ["", "bfloat16 keys and values run the torch layers (the native pass reads float32 and int8 caches).", ""]
     return out
 
 

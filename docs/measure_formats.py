@@ -6,6 +6,8 @@
   median of 5 runs after one warm-up (`RequestOutput.tokens_per_s`), the formats alternated;
 - quality: top-1 agreement and mean KL(fp32 ‖ format) of the next-token distributions at every
   position of a fixed 150-token text (code and prose);
+- KV cache formats (default weights, `--kv-dtype`): quality against the float32 cache, decode
+  speed after a ~2,000-token prompt (alternated), positions per GiB;
 - peak RSS: a fresh process loads the pair (1.5B target + 0.5B draft) in the format and generates
   32 tokens with the draft proposer; its peak resident set size (VmHWM — not ru_maxrss, which
   Linux carries over from the parent across fork + exec).
@@ -92,6 +94,45 @@ def quality(name: str) -> dict:
     return out
 
 
+def kv_formats(name: str, rounds: int = 5) -> dict:
+    """The default weights with each KV cache format: quality against the float32 cache (the same
+    150-token text, one prefill pass), decode speed after a long prompt (alternated, like
+    decode_speeds) and positions per GiB of cache."""
+    from verispec import LLM, SamplingParams
+    from verispec.engine.loading import load_model
+    from verispec.models import KVCache
+    from verispec.models.kv_cache import KV_DTYPES, KVStore
+
+    loaded = load_model(name)
+    ids = torch.tensor([loaded.tokenizer.encode(TEXT)])
+    t = ids.shape[1]
+    pos = torch.arange(t)[None]
+
+    def logits(kv_dtype):
+        cache = KVCache.for_model(loaded.model.config, 1, t, torch.float32, kv_dtype=kv_dtype)
+        return torch.log_softmax(loaded.model.logits(loaded.model(ids, pos, cache.view([0], pos)), pos)[0].float(), -1)
+
+    base = logits(None)
+    llms = {kv: LLM(loaded, proposer="none", kv_dtype=kv) for kv in ("float32", "int8", "bfloat16")}
+    prompt = llms["float32"].chat_prompt([{"role": "user", "content": "Summarise this code:\n\n" + TEXT * 12}])
+    rates: dict[str, list[float]] = {kv: [] for kv in llms}
+    for llm in llms.values():
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4))
+    for r in range(rounds):
+        order = list(llms)[r % len(llms):] + list(llms)[:r % len(llms)]
+        for kv in order:
+            llms[kv].clear_prefix_cache()
+            rates[kv].append(llms[kv].generate([prompt], SamplingParams(temperature=0, max_tokens=48))[0].tokens_per_s)
+    out = {"prompt_tokens": len(llms["float32"].encode(prompt))}
+    for kv in llms:
+        other = logits(KV_DTYPES[kv])
+        out[kv] = {"top1_agreement": round((base.argmax(-1) == other.argmax(-1)).float().mean().item(), 4),
+                   "mean_kl": round((base.exp() * (base - other)).sum(-1).mean().item(), 6),
+                   "positions_per_gib": int(2**30 // KVStore.bytes_per_position(loaded.model.config, KV_DTYPES[kv])),
+                   "tok_s_runs": [round(x, 2) for x in rates[kv]], "tok_s": round(statistics.median(rates[kv]), 2)}
+    return out
+
+
 def peak_rss_child(fmt: str) -> None:
     from verispec import LLM, SamplingParams
 
@@ -111,9 +152,16 @@ def main() -> None:
     ap.add_argument("--out", default="docs/results/formats.json")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rss-only", action="store_true", help="only re-measure peak RSS into an existing --out file")
+    ap.add_argument("--kv-only", action="store_true", help="only (re-)measure the KV cache formats into --out")
     args = ap.parse_args()
     if args.rss_child:
         peak_rss_child(args.rss_child)
+        return
+    if args.kv_only:
+        result = json.loads(Path(args.out).read_text())
+        result["kv_cache"] = {TARGET: kv_formats(TARGET)}
+        print("kv cache", json.dumps(result["kv_cache"]), flush=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
         return
     if args.rss_only:
         result = json.loads(Path(args.out).read_text())
@@ -132,6 +180,7 @@ def main() -> None:
         print(name, json.dumps(entry), flush=True)
     result["pair_peak_rss_mb"] = {fmt: peak_rss(fmt) for fmt in FORMATS}
     print("peak RSS", result["pair_peak_rss_mb"], flush=True)
+    result["kv_cache"] = {TARGET: kv_formats(TARGET)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 

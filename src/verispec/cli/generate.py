@@ -64,7 +64,12 @@ def add_model_args(p) -> None:
                    help="weights: auto (default: int4 on CPU, bfloat16 on GPU), float32 (reference), "
                         "bfloat16, int8 (int8 weights per channel, activations rounded to 16 bits per token "
                         "inside the native kernel; float32 elsewhere), or int4 (linears already on a 4-bit grid, "
-                        "as Q4_K GGUF tensors are, in int4 with fp16 group scales; the others int8)")
+                        "as Q4_K GGUF tensors are, in int4 with fp16 group scales and activations rounded to 8 bits "
+                        "per group of 32; the others int8)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
+                   help="keys and values in the cache: auto (the model's dtype), float32, bfloat16 (half the "
+                        "memory; runs the torch layers), or int8 (one scale per position and head: ~3.8x the "
+                        "sequences per GiB of float32, read in place by the native pass)")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="let the draft model propose only the N most frequent tokens (its LM head reads N rows "
                         "instead of all; output unchanged: the target verifies over its whole vocabulary). "
@@ -87,7 +92,8 @@ def build_llm(args):
     from verispec import LLM
 
     return LLM(model=args.model, draft=args.draft, proposer=args.proposer, k=args.k, dtype=args.dtype,
-               device=args.device, progress=True, corpus=args.corpus, draft_vocab=args.draft_vocab)
+               device=args.device, progress=True, corpus=args.corpus, draft_vocab=args.draft_vocab,
+               kv_dtype=args.kv_dtype)
 
 
 def run(args) -> int:

@@ -80,23 +80,24 @@ def encode_prompt(tokenizer: TextTokenizer | None, vocab_size: int, prompt: str 
 
 class Engine:
     """target: the model every token is verified by; proposer: made for this engine (it keeps
-    per-sequence state); policy: chooses K per round and learns from what each round measured."""
+    per-sequence state); policy: chooses K per round and learns from what each round measured;
+    kv_dtype: how both models' caches store keys and values (None: each model's dtype)."""
 
     def __init__(self, target: Transformer, proposer: Proposer, policy: KPolicy, tokenizer: TextTokenizer | None,
                  proposer_name: str, k: int | str, context_length: int, draft: Transformer | None = None,
                  kv_budget_mb: float = 1024, block_size: int = 16, max_running: int = 32,
-                 prefill_budget: int = 256, num_blocks: int | None = None):
+                 prefill_budget: int = 256, num_blocks: int | None = None, kv_dtype: torch.dtype | None = None):
         if block_size < 1 or kv_budget_mb <= 0 or max_running < 1 or prefill_budget < 1:
             raise ValueError("block_size, kv_budget_mb, max_running and prefill_budget must be positive")
         models = [target] + ([draft] if draft is not None else [])
-        per_block = sum(PagedKVCache.bytes_per_block(m.config, block_size, m.dtype) for m in models)
+        per_block = sum(PagedKVCache.bytes_per_block(m.config, block_size, kv_dtype or m.dtype) for m in models)
         num_blocks = num_blocks or int(kv_budget_mb * 2**20 // per_block)
         self.pool = BlockPool(num_blocks, block_size)
         self.scheduler = Scheduler(self.pool, max_running, prefill_budget)
 
         def runner(model: Transformer) -> ModelRunner:
             return ModelRunner(model, cache=PagedKVCache(model.config, num_blocks, block_size, self.pool.tables,
-                                                         model.dtype, model.device))
+                                                         model.dtype, model.device, kv_dtype))
 
         self.target = runner(target)
         self.proposer = proposer

@@ -20,6 +20,7 @@ from verispec.errors import InvalidRequest, VerispecError
 from verispec.loaders.builtin import DEFAULT_DRAFT, DEFAULT_TARGET
 from verispec.engine.loading import LoadedModel, load_model
 from verispec.models import Transformer
+from verispec.models.kv_cache import KV_DTYPES
 from verispec.proposers import REGISTRY, Proposer
 
 Prompt = str | list[int]
@@ -78,7 +79,8 @@ class LLM:
     def __init__(self, model: str | Transformer = DEFAULT_TARGET, draft: str | Transformer | None = None, proposer: str | None = None,
                  k: int | str = "auto", dtype: str = "auto", device: str = "cpu", max_batch: int = 32,
                  progress: bool = False, ngram_n: tuple[int, int] = (3, 1), k_max: int = K_MAX,
-                 corpus: Seq[str | os.PathLike] | Seq[list[int]] | None = None, draft_vocab: int = 0):
+                 corpus: Seq[str | os.PathLike] | Seq[list[int]] | None = None, draft_vocab: int = 0,
+                 kv_dtype: str = "auto"):
         if proposer is not None and proposer not in REGISTRY:
             raise VerispecError(f"unknown proposer {proposer!r}; choose one of {', '.join(sorted(REGISTRY))}")
         if k != "auto" and (not isinstance(k, int) or not 0 <= k <= K_MAX):
@@ -87,6 +89,9 @@ class LLM:
             raise VerispecError(f"k_max must be an integer in 1 … {K_MAX}, got {k_max!r}")
         if max_batch < 1:
             raise VerispecError(f"max_batch must be >= 1, got {max_batch}")
+        if kv_dtype != "auto" and kv_dtype not in KV_DTYPES:
+            raise VerispecError(f"kv_dtype must be 'auto' or one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+        self.kv_dtype = None if kv_dtype == "auto" else KV_DTYPES[kv_dtype]
         self.target: LoadedModel = _load(model, dtype, device, progress)
         self.tokenizer = self.target.tokenizer
         if proposer is None:            # measured best on a 2-core CPU: prompt lookup with k="auto"
@@ -205,7 +210,8 @@ class LLM:
         return Engine(self.target.model, self.make_proposer(), policy or self.new_policy(), self.tokenizer,
                       self.proposer_name,
                       self.k, self.context_length, self.draft.model if self.draft is not None else None,
-                      kv_budget_mb, block_size, max_running or self.max_batch, prefill_budget, num_blocks)
+                      kv_budget_mb, block_size, max_running or self.max_batch, prefill_budget, num_blocks,
+                      self.kv_dtype)
 
     def clear_prefix_cache(self) -> None:
         """Forget the cached prompts of earlier calls (the next prompt is prefilled in full)."""

@@ -35,7 +35,7 @@ import torch
 HERE = Path(__file__).parent
 SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "attention.c", HERE / "decoder.c"]
 HEADER = HERE / "kernels.h"
-ABI = 12
+ABI = 13
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _status = "not loaded"
 
@@ -118,7 +118,8 @@ class NativeKernels:
         lib.verispec_attend_rows.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_void_p] * 2
                                              + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int])
         lib.verispec_decoder.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
-                                         + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_int])
+                                         + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4
+                                         + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 4 + [ctypes.c_int])
         for fn in (lib.verispec_int8_gemm, lib.verispec_int4_gemm, lib.verispec_attend_rows, lib.verispec_decoder):
             fn.restype = ctypes.c_int
 
@@ -355,7 +356,9 @@ class DecoderDims(ctypes.Structure):
 class CacheLayout:
     """Where the decoder pass reads and writes keys and values (decoder.c, kernels.h's kv_view): position s
     of batch row b, layer l, KV head h at store[l · layer_stride + tables[b, s // block] · block_stride
-    + h · head_stride + (s % block) · D]. k, v float32 stores; tables (B, NB) int64 contiguous."""
+    + h · head_stride + (s % block) · D]. k, v float32 stores, or int8 stores with ks, vs float32 scales,
+    one per `group` dimensions, at scale[l · sc_layer_stride + tables[…] · sc_block_stride
+    + h · sc_head_stride + (s % block) · D / group + d / group]; tables (B, NB) int64 contiguous."""
     k: torch.Tensor
     v: torch.Tensor
     tables: torch.Tensor
@@ -363,6 +366,12 @@ class CacheLayout:
     layer_stride: int
     block_stride: int
     head_stride: int
+    ks: torch.Tensor | None = None
+    vs: torch.Tensor | None = None
+    sc_layer_stride: int = 0
+    sc_block_stride: int = 0
+    sc_head_stride: int = 0
+    group: int = 0
 
 
 def _decoder(lib, x: torch.Tensor, weights, dims: DecoderDims, cos: torch.Tensor, sin: torch.Tensor,
@@ -373,5 +382,9 @@ def _decoder(lib, x: torch.Tensor, weights, dims: DecoderDims, cos: torch.Tensor
     if lib.verispec_decoder(x.data_ptr(), ctypes.addressof(weights), ctypes.addressof(dims), cos.data_ptr(),
                             sin.data_ptr(), positions.data_ptr(), b, t, layout.k.data_ptr(), layout.v.data_ptr(),
                             layout.layer_stride, layout.tables.data_ptr(), layout.tables.shape[1], layout.block,
-                            layout.block_stride, layout.head_stride, torch.get_num_threads()):
+                            layout.block_stride, layout.head_stride,
+                            layout.ks.data_ptr() if layout.ks is not None else None,
+                            layout.vs.data_ptr() if layout.vs is not None else None,
+                            layout.sc_layer_stride, layout.sc_block_stride, layout.sc_head_stride, layout.group,
+                            torch.get_num_threads()):
         raise MemoryError("decoder pass: no memory for its buffers")

@@ -25,6 +25,7 @@ typedef __m512 vec;
 #define vmul _mm512_mul_ps
 #define vset1 _mm512_set1_ps
 #define vsum _mm512_reduce_add_ps
+#define vload8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #else
 #define VL 8
 typedef __m256 vec;
@@ -35,20 +36,38 @@ typedef __m256 vec;
 #define vmul _mm256_mul_ps
 #define vset1 _mm256_set1_ps
 #define vsum hsum
+#define vload8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #endif
 
-/* G ≤ GMAX query rows qr[g] (each D floats) against keys 0 … p: w[g·SP + s] = scale · q_g · k_s. */
+/* G ≤ GMAX query rows qr[g] (each D floats) against keys 0 … p: w[g·SP + s] = scale · q_g · k_s
+   (int8 keys: k_s dequantized a vector at a time, k8 · its group's scale). */
 static inline __attribute__((always_inline)) void scores(const float *const *qr, const int G, const kv_view *kv,
                                                          const int64_t *table, long kh, long p, long D,
                                                          float scale, float *w, long SP) {
     for (long s0 = 0; s0 <= p; s0 += kv->bs) {
-        const float *kb = kv->k + table[s0 / kv->bs] * kv->blk_stride + kh * kv->head_stride;
-        long n = p + 1 - s0 < kv->bs ? p + 1 - s0 : kv->bs;
+        long blk = table[s0 / kv->bs], n = p + 1 - s0 < kv->bs ? p + 1 - s0 : kv->bs;
+        const float *kb = (const float *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
+        const int8_t *kb8 = (const int8_t *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
+        const float *ksb = kv->ks ? kv->ks + blk * kv->sc_blk_stride + kh * kv->sc_head_stride : NULL;
         for (long j = 0; j < n; j++) {
-            const float *k = kb + j * D;
             vec acc[GMAX];
             for (int g = 0; g < G; g++) acc[g] = vzero();
             long d = 0;
+            if (ksb) {
+                const int8_t *k = kb8 + j * D;
+                const float *sc = ksb + j * (D / kv->sg);
+                for (; d + VL <= D; d += VL) {
+                    vec kvec = vmul(vload8(k + d), vset1(sc[d / kv->sg]));
+                    for (int g = 0; g < G; g++) acc[g] = vfma(vload(qr[g] + d), kvec, acc[g]);
+                }
+                for (int g = 0; g < G; g++) {
+                    float v = vsum(acc[g]);
+                    for (long dd = d; dd < D; dd++) v = fmaf(qr[g][dd], (float)k[dd] * sc[dd / kv->sg], v);
+                    w[g * SP + s0 + j] = v * scale;
+                }
+                continue;
+            }
+            const float *k = kb + j * D;
             for (; d + VL <= D; d += VL) {
                 vec kvec = vload(k + d);
                 for (int g = 0; g < G; g++) acc[g] = vfma(vload(qr[g] + d), kvec, acc[g]);
@@ -85,7 +104,16 @@ static float softmax_row(float *w, long p) {
     return 1.0f / hsum(sum);
 }
 
-/* out_g[d] = inv[g] · Σ_{s ≤ p} w[g·SP + s] · v_s[d], 16 dimensions at a time for all G heads. */
+/* One stored value row's element d as a float (int8 stores: times its group's scale). */
+static inline float value_at(const kv_view *kv, long blk, long kh, long j, long D, long d) {
+    if (kv->vs)
+        return (float)((const int8_t *)kv->v)[blk * kv->blk_stride + kh * kv->head_stride + j * D + d] *
+               kv->vs[blk * kv->sc_blk_stride + kh * kv->sc_head_stride + j * (D / kv->sg) + d / kv->sg];
+    return ((const float *)kv->v)[blk * kv->blk_stride + kh * kv->head_stride + j * D + d];
+}
+
+/* out_g[d] = inv[g] · Σ_{s ≤ p} w[g·SP + s] · v_s[d], 2·VL dimensions at a time for all G heads
+   (int8 values dequantized a vector at a time, v8 · its group's scale). */
 static inline __attribute__((always_inline)) void mix_values(const float *w, long SP, const float *inv, const int G,
                                                              const kv_view *kv, const int64_t *table, long kh,
                                                              long p, long D, float *const *out) {
@@ -94,8 +122,23 @@ static inline __attribute__((always_inline)) void mix_values(const float *w, lon
         vec acc[GMAX][2];
         for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = vzero();
         for (long s0 = 0; s0 <= p; s0 += kv->bs) {
-            const float *vb = kv->v + table[s0 / kv->bs] * kv->blk_stride + kh * kv->head_stride;
-            long n = p + 1 - s0 < kv->bs ? p + 1 - s0 : kv->bs;
+            long blk = table[s0 / kv->bs], n = p + 1 - s0 < kv->bs ? p + 1 - s0 : kv->bs;
+            if (kv->vs) {
+                const int8_t *vb = (const int8_t *)kv->v + blk * kv->blk_stride + kh * kv->head_stride;
+                const float *vsb = kv->vs + blk * kv->sc_blk_stride + kh * kv->sc_head_stride;
+                for (long j = 0; j < n; j++) {
+                    const float *sc = vsb + j * (D / kv->sg);
+                    vec v0 = vmul(vload8(vb + j * D + d), vset1(sc[d / kv->sg]));
+                    vec v1 = vmul(vload8(vb + j * D + d + VL), vset1(sc[(d + VL) / kv->sg]));
+                    for (int g = 0; g < G; g++) {
+                        vec ws = vset1(w[g * SP + s0 + j]);
+                        acc[g][0] = vfma(ws, v0, acc[g][0]);
+                        acc[g][1] = vfma(ws, v1, acc[g][1]);
+                    }
+                }
+                continue;
+            }
+            const float *vb = (const float *)kv->v + blk * kv->blk_stride + kh * kv->head_stride;
             for (long j = 0; j < n; j++) {
                 vec v0 = vload(vb + j * D + d), v1 = vload(vb + j * D + d + VL);
                 for (int g = 0; g < G; g++) {
@@ -113,10 +156,8 @@ static inline __attribute__((always_inline)) void mix_values(const float *w, lon
     for (; d < D; d++)
         for (int g = 0; g < G; g++) {
             float acc = 0.0f;
-            for (long s = 0; s <= p; s++) {
-                const float *vb = kv->v + table[s / kv->bs] * kv->blk_stride + kh * kv->head_stride;
-                acc = fmaf(w[g * SP + s], vb[(s % kv->bs) * D + d], acc);
-            }
+            for (long s = 0; s <= p; s++)
+                acc = fmaf(w[g * SP + s], value_at(kv, table[s / kv->bs], kh, s % kv->bs, D, d), acc);
             out[g][d] = acc * inv[g];
         }
 }
@@ -172,7 +213,7 @@ int verispec_attend_rows(const float *q, const float *keys, const float *values,
     long SP = spad(maxp + 1);
     float *scratch = malloc(sizeof(float) * SP * GMAX * threads);
     if (!scratch) return -1;
-    kv_view kv = {keys, values, tables, nb, bs, blk_stride, head_stride};
+    kv_view kv = {keys, values, NULL, NULL, tables, nb, bs, blk_stride, head_stride, 0, 0, D};
 #pragma omp parallel num_threads(threads)
     vs_attend_ws(q, H * D, &kv, pos, out, B, H, Hkv, T, D, scale, scratch, SP);
     free(scratch);

@@ -15,7 +15,9 @@
  * compare the two passes with a tolerance, and each path with itself bit for bit).
  *
  * Layout: x (R, C) float32, updated in place (the residual stream); cos, sin (R, D); pos (R) int64;
- * the cache of layer l is kv_view's addressing over kstore/vstore + l · layer_stride.
+ * the cache of layer l is kv_view's addressing over kstore/vstore + l · layer_stride (elements: float32,
+ * or int8 with a scale per sg dimensions of each position and head in kscale/vscale + l · sc_layer_stride,
+ * kernels.h).
  */
 #include "kernels.h"
 
@@ -125,19 +127,28 @@ static void qkv_post_ws(float *qkv, const float *bias, const float *cos, const f
             memcpy(v, tmp, sizeof(float) * D);
         }
         if (j >= H) {
-            long kh = (j - H) % Hkv, p = pos[r];
+            long kh = (j - H) % Hkv, p = pos[r], is_k = j < H + Hkv;
             const int64_t *table = kv->tables + (r / T) * kv->nb;
-            float *store = (float *)(j < H + Hkv ? kv->k : kv->v);
-            memcpy(store + table[p / kv->bs] * kv->blk_stride + kh * kv->head_stride + (p % kv->bs) * D, v,
-                   sizeof(float) * D);
+            long at = table[p / kv->bs] * kv->blk_stride + kh * kv->head_stride + (p % kv->bs) * D;
+            if (kv->ks) {
+                long sat = table[p / kv->bs] * kv->sc_blk_stride + kh * kv->sc_head_stride + (p % kv->bs) * (D / kv->sg);
+                int8_t *store = (int8_t *)(is_k ? kv->k : kv->v);
+                float *scales = (float *)(is_k ? kv->ks : kv->vs);
+                kv_quantize(v, D, kv->sg, store + at, scales + sat);
+            } else {
+                memcpy((float *)(is_k ? kv->k : kv->v) + at, v, sizeof(float) * D);
+            }
         }
     }
 }
 
 /* Returns 0, or -1 when the scratch buffers cannot be allocated. */
 int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, const float *cos, const float *sin,
-                     const int64_t *pos, long B, long T, float *kstore, float *vstore, long layer_stride,
-                     const int64_t *tables, long nb, long bs, long blk_stride, long head_stride, int threads) {
+                     const int64_t *pos, long B, long T, void *kstore, void *vstore, long layer_stride,
+                     const int64_t *tables, long nb, long bs, long blk_stride, long head_stride,
+                     float *kscale, float *vscale, long sc_layer_stride, long sc_blk_stride, long sc_head_stride,
+                     long sg, int threads) {
+    size_t esize = kscale ? 1 : sizeof(float);                 /* int8 or float32 stores */
     long R = B * T, C = dm->C, H = dm->H, Hkv = dm->Hkv, D = dm->D, I = dm->I;
     long QW = (H + 2 * Hkv) * D, KMAX = kpad(C > H * D ? (C > I ? C : I) : (H * D > I ? H * D : I));
     long maxp = 0;
@@ -152,7 +163,9 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
 #pragma omp parallel num_threads(threads)
     for (long l = 0; l < dm->layers; l++) {
         const layer_weights *w = lw + l;
-        kv_view kv = {kstore + l * layer_stride, vstore + l * layer_stride, tables, nb, bs, blk_stride, head_stride};
+        kv_view kv = {(char *)kstore + esize * l * layer_stride, (char *)vstore + esize * l * layer_stride,
+                      kscale ? kscale + l * sc_layer_stride : NULL, vscale ? vscale + l * sc_layer_stride : NULL,
+                      tables, nb, bs, blk_stride, head_stride, sc_blk_stride, sc_head_stride, kscale ? sg : D};
         rmsnorm_ws(x, w->ln1, xn, R, C, dm->eps);
         linear_ws(&w->qkv, xn, qx, sx, qkv, R, QW, C);
         qkv_post_ws(qkv, w->qkv_bias, cos, sin, pos, &kv, R, T, H, Hkv, D);

@@ -13,7 +13,7 @@
 #include <omp.h>
 #endif
 
-#define ABI 12
+#define ABI 13
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -56,12 +56,31 @@ void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const u
 
 /* Where a layer's keys and values live: position s of batch row b, KV head h, dimension d is at
    store[tables[b · nb + s / bs] · blk_stride + h · head_stride + (s % bs) · D + d]. A static cache is
-   one block per row (bs = its length); a paged cache reads its blocks in place. */
+   one block per row (bs = its length); a paged cache reads its blocks in place. Stores are float32,
+   or int8 when ks and vs are set: then element d of a position's key (value) vector is its int8 times
+   ks (vs)[tables[…] · sc_blk_stride + h · sc_head_stride + (s % bs) · (D / sg) + d / sg], one scale
+   per sg dimensions (kv_quantize). */
 typedef struct {
-    const float *k, *v;
+    const void *k, *v;
+    const float *ks, *vs;
     const int64_t *tables;
-    long nb, bs, blk_stride, head_stride;
+    long nb, bs, blk_stride, head_stride, sc_blk_stride, sc_head_stride, sg;
 } kv_view;
+
+/* x (n floats) -> q (n int8) and n / sg scales: per group of sg, q = round(x · 127 / max|x|) (ties to
+   even) and scale = max|x| / 127 (the torch side, models/kv_cache.py, does the same operations). */
+static inline void kv_quantize(const float *x, long n, long sg, int8_t *q, float *scales) {
+    for (long g0 = 0; g0 < n; g0 += sg) {
+        float amax = 0.0f;
+        for (long i = g0; i < g0 + sg; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (long i = g0; i < g0 + sg; i++) {
+            long v = lrintf(x[i] * inv);
+            q[i] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+        }
+        scales[g0 / sg] = amax / 127.0f;
+    }
+}
 
 /* Each query row attends over exactly its own prefix (attention.c). q(r, h) = q + r · q_rs + h · D for
    rows r = b · T + t; out (R, H, D) contiguous; scratch of threads × GMAX × spad(max pos + 1) floats. */

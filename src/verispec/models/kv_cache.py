@@ -3,6 +3,15 @@
 Rollback is a length pointer (DESIGN rule 2): rejected entries stay in place and are overwritten by
 the next round. Attention never reads them because a query at position t only sees keys at
 positions <= t, and every position <= t of a slot was written by this round or committed earlier.
+
+Keys and values are stored in the model's dtype, or in a KV format of their own (`kv_dtype`):
+bfloat16, or int8 with one float32 scale per group of 32 dimensions of each position and head
+(max |x| / 127, the group rounded to nearest, ties to even — the native pass writes the same bits,
+kernels.h's kv_quantize). Groups of 32 rather than whole head vectors: a few large channels of the
+keys would otherwise set the step of all 128 (on the embedded 1.5B, KL against the float cache
+0.0062 per head vector, 0.0018 per 32). A
+position's stored vector depends on that position's own keys and values only, so a verify row and
+a decode step still read identical caches: greedy speculative == greedy plain within a KV format.
 """
 
 from __future__ import annotations
@@ -11,22 +20,97 @@ from dataclasses import dataclass
 
 import torch
 
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+
+KV_GROUP = 32
+
+
+def kv_group(head_dim: int) -> int:
+    """Dimensions per int8 scale: KV_GROUP, or the whole head when it does not divide it."""
+    return KV_GROUP if head_dim % KV_GROUP == 0 else head_dim
+
+
+def kv_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., D) float -> int8 (..., D) and scales (..., D / group) float32 with x ≈ q · scale per group."""
+    *lead, d = x.shape
+    g = kv_group(d)
+    x = x.float().reshape(*lead, d // g, g)
+    amax = x.abs().amax(dim=-1)                                                    # (..., D / g)
+    inv = torch.where(amax > 0, torch.tensor(127.0, device=x.device) / amax, torch.zeros_like(amax))
+    q = torch.round(x * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(*lead, d), amax / 127.0
+
+
+class KVStore:
+    """k, v (num_layers, N, H_kv, S, D) in the KV dtype; for int8 also ks, vs (num_layers, N, H_kv, S,
+    D / group) float32. N is slots (static) or blocks (paged), S their length."""
+
+    def __init__(self, shape: tuple[int, ...], kv_dtype: torch.dtype, device: str | torch.device):
+        if kv_dtype not in KV_DTYPES.values():
+            raise ValueError(f"KV cache dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype}")
+        self.k = torch.zeros(shape, dtype=kv_dtype, device=device)
+        self.v = torch.zeros(shape, dtype=kv_dtype, device=device)
+        self.ks = self.vs = None
+        if kv_dtype == torch.int8:
+            scales = (*shape[:-1], shape[-1] // kv_group(shape[-1]))
+            self.ks = torch.zeros(scales, dtype=torch.float32, device=device)
+            self.vs = torch.zeros(scales, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def bytes_per_position(config, kv_dtype: torch.dtype) -> int:
+        """Bytes one position of one sequence takes, keys and values of every layer."""
+        d = config.head_dim
+        per_head = d * kv_dtype.itemsize + (4 * d // kv_group(d) if kv_dtype == torch.int8 else 0)
+        return 2 * config.num_layers * config.num_kv_heads * per_head
+
+    def write(self, layer: int, i: torch.Tensor, j: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (B, H_kv, T, D) into positions [i, :, j] of the layer (i, j broadcast to (B, T))."""
+        for store, scales, x in ((self.k, self.ks, k), (self.v, self.vs, v)):
+            x = x.transpose(1, 2)                                                  # (B, T, H_kv, D)
+            if scales is None:
+                store[layer][i, :, j] = x.to(store.dtype)
+            else:
+                q, sc = kv_quantize(x)
+                store[layer][i, :, j] = q
+                scales[layer][i, :, j] = sc
+
+    def read(self, layer: int, index, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's k, v at store[layer][index] (any indexing of the N dimension and beyond), in dtype."""
+        out = []
+        for store, scales in ((self.k, self.ks), (self.v, self.vs)):
+            x = store[layer][index]
+            if scales is not None:                                                 # (..., D) · per-group scales
+                sc = scales[layer][index]
+                x = (x.float().unflatten(-1, (sc.shape[-1], -1)) * sc[..., None]).flatten(-2)
+            out.append(x.to(dtype))
+        return out[0], out[1]
+
 
 class KVCache:
     """Per-layer K/V storage of shape (num_layers, num_slots, num_kv_heads, max_len, head_dim)."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 kv_dtype: torch.dtype | None = None):
+        self.store = KVStore((num_layers, num_slots, num_kv_heads, max_len, head_dim), kv_dtype or dtype, device)
+        self.dtype = dtype                  # what attention reads (the model's dtype)
         self.max_len = max_len
         self.lengths = [0] * num_slots   # committed tokens per slot
 
     @classmethod
     def for_model(cls, config, num_slots: int, max_len: int, dtype: torch.dtype,
-                  device: str | torch.device = "cpu") -> "KVCache":
-        return cls(config.num_layers, num_slots, config.num_kv_heads, max_len, config.head_dim, dtype, device)
+                  device: str | torch.device = "cpu", kv_dtype: torch.dtype | None = None) -> "KVCache":
+        return cls(config.num_layers, num_slots, config.num_kv_heads, max_len, config.head_dim, dtype, device,
+                   kv_dtype)
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.store.k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.store.v
 
     @property
     def num_slots(self) -> int:
@@ -38,12 +122,6 @@ class KVCache:
         if kv_len > self.max_len:
             raise ValueError(f"position {kv_len - 1} is beyond the cache length {self.max_len}")
         return CacheView(self, slots, positions, kv_len)
-
-    def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        """Give slot dst the first `length` cached positions of slot src (shared prompts)."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
-        self.set_length(dst, length)
 
     def set_length(self, slot: int, length: int) -> None:
         """Commit or roll back a slot by moving its length pointer; no data moves."""
@@ -74,25 +152,28 @@ class CacheView:
 
     def layout(self):
         """How a native pass reads and writes this cache in place (`kernels.CacheLayout`): each sequence's
-        slot is one block as long as the cache. None where it cannot (not float32 on the CPU)."""
-        return _layout(self.cache, self._rows[:, None], self.cache.max_len)
+        slot is one block as long as the cache. None where it cannot (not float32 or int8 on the CPU)."""
+        return _layout(self.cache.store, self._rows[:, None], self.cache.max_len)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, H_kv, T, D) at the view's positions; return all keys/values (B, H_kv, kv_len, D)."""
-        kc, vc = self.cache.k[layer], self.cache.v[layer]          # (S, H_kv, L, D)
-        rows = self._rows[:, None]                                   # (B, 1)
-        kc[rows, :, self.positions] = k.transpose(1, 2).to(kc.dtype)  # indexed as (B, T, H_kv, D)
-        vc[rows, :, self.positions] = v.transpose(1, 2).to(vc.dtype)
-        if self._range is not None:
-            return kc[self._range, :, : self.kv_len], vc[self._range, :, : self.kv_len]
-        return kc[self._rows, :, : self.kv_len], vc[self._rows, :, : self.kv_len]
+        store = self.cache.store
+        store.write(layer, self._rows[:, None], self.positions, k, v)
+        rows = self._range if self._range is not None else self._rows
+        return store.read(layer, (rows, slice(None), slice(None, self.kv_len)), self.cache.dtype)
 
 
-def _layout(cache, tables: torch.Tensor, block: int):
-    """A `kernels.CacheLayout` over cache.k/v (num_layers, blocks, H_kv, block, D), or None."""
+def _layout(store: KVStore, tables: torch.Tensor, block: int):
+    """A `kernels.CacheLayout` over a store (num_layers, blocks, H_kv, block, D), or None."""
     from verispec.kernels import CacheLayout
 
-    k, v = cache.k, cache.v
-    if k.dtype != torch.float32 or k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
+    k, v = store.k, store.v
+    if k.dtype not in (torch.float32, torch.int8) or k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
         return None
-    return CacheLayout(k, v, tables.to(torch.int64).contiguous(), block, k.stride(0), k.stride(1), k.stride(2))
+    scales = {}
+    if store.ks is not None:
+        ks = store.ks
+        scales = dict(ks=ks, vs=store.vs, sc_layer_stride=ks.stride(0), sc_block_stride=ks.stride(1),
+                      sc_head_stride=ks.stride(2), group=k.shape[-1] // ks.shape[-1])
+    return CacheLayout(k, v, tables.to(torch.int64).contiguous(), block, k.stride(0), k.stride(1), k.stride(2),
+                       **scales)

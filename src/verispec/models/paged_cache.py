@@ -17,24 +17,34 @@ from collections import defaultdict
 
 import torch
 
-from verispec.models.kv_cache import CacheView, _layout
+from verispec.models.kv_cache import CacheView, KVStore, _layout
 
 
 class PagedKVCache:
-    """K/V storage of shape (num_layers, num_blocks, num_kv_heads, block_size, head_dim)."""
+    """K/V storage of shape (num_layers, num_blocks, num_kv_heads, block_size, head_dim), in the model's
+    dtype or in kv_dtype (kv_cache.py: bfloat16, or int8 with per position and head scales)."""
 
     def __init__(self, config, num_blocks: int, block_size: int, block_tables: dict[int, list[int]],
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 kv_dtype: torch.dtype | None = None):
         shape = (config.num_layers, num_blocks, config.num_kv_heads, block_size, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.store = KVStore(shape, kv_dtype or dtype, device)
+        self.dtype = dtype
         self.block_size = block_size
         self.block_tables = block_tables          # slot -> block ids, owned by the block pool
         self.lengths: dict[int, int] = defaultdict(int)   # slot -> committed tokens
 
     @staticmethod
-    def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * dtype.itemsize
+    def bytes_per_block(config, block_size: int, kv_dtype: torch.dtype) -> int:
+        return block_size * KVStore.bytes_per_position(config, kv_dtype)
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.store.k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.store.v
 
     def capacity(self, slot: int) -> int:
         return len(self.block_tables.get(slot, ())) * self.block_size
@@ -68,16 +78,15 @@ class PagedCacheView(CacheView):
 
     def layout(self):
         """A native pass reads each sequence's blocks in place through its block table."""
-        return _layout(self.cache, self.tables, self.cache.block_size)
+        return _layout(self.cache.store, self.tables, self.cache.block_size)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        kc, vc = self.cache.k[layer], self.cache.v[layer]          # (NBLK, H_kv, bs, D)
-        kc[self.write_block, :, self.write_offset] = k.transpose(1, 2).to(kc.dtype)  # (B, T, H_kv, D)
-        vc[self.write_block, :, self.write_offset] = v.transpose(1, 2).to(vc.dtype)
-        return self._gather(kc), self._gather(vc)
+        store = self.cache.store
+        store.write(layer, self.write_block, self.write_offset, k, v)
+        kb, vb = store.read(layer, self.tables, self.cache.dtype)       # (B, NB, H_kv, bs, D)
+        return self._join(kb), self._join(vb)
 
-    def _gather(self, store: torch.Tensor) -> torch.Tensor:
-        b, nb = self.tables.shape
-        _, h, bs, d = store.shape
-        blocks = store[self.tables]                                # (B, NB, H_kv, bs, D)
+    def _join(self, blocks: torch.Tensor) -> torch.Tensor:
+        """(B, NB, H_kv, bs, D) -> (B, H_kv, kv_len, D)."""
+        b, nb, h, bs, d = blocks.shape
         return blocks.transpose(1, 2).reshape(b, h, nb * bs, d)[:, :, : self.kv_len]

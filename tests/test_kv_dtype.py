@@ -1,0 +1,153 @@
+"""KV cache formats (`kv_dtype`): int8 with one scale per position and head, bfloat16. The native pass
+reads and writes int8 blocks in place like the torch layers; rows stay independent of the pass they
+share, so greedy speculation still equals plain decoding; int8 costs little against the float cache
+(and a deliberately mis-scaled int8 cache is caught by that comparison); capacity per MiB is ≥ 3.5x."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from verispec import LLM, SamplingParams, kernels
+from verispec.models import KVCache, kv_cache
+from verispec.models.paged_cache import PagedKVCache
+from verispec.models.quant import quantize_linears
+
+native_only = pytest.mark.skipif(not kernels.available(), reason=f"native kernel {kernels.kernel_status()}")
+
+
+def int8_model(seed: int = 0, **kw):
+    return quantize_linears(tiny_model(seed, scale=1.5, **kw), "int8")
+
+
+def run(model, cache, slots, chunks, native: bool) -> torch.Tensor:
+    model.native_pass = native
+    t = max(len(c) for c in chunks)
+    ids = torch.tensor([c + [0] * (t - len(c)) for c in chunks])
+    start = torch.tensor([cache.lengths[s] for s in slots])
+    positions = start[:, None] + torch.arange(t)[None, :]
+    return model(ids, positions, cache.view(slots, positions))
+
+
+def advance(cache, slots, chunks):
+    for s, c in zip(slots, chunks):
+        cache.set_length(s, cache.lengths[s] + len(c))
+
+
+def test_kv_quantize_rounds_per_group_of_32():
+    x = torch.tensor([[0.5, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    q, scale = kv_cache.kv_quantize(x)                                         # a head of 4: one group
+    assert q.tolist() == [[64, -127, 32, 0], [0, 0, 0, 0]]                   # 63.5 -> 64 (ties to even), 31.75 -> 32
+    assert torch.allclose(scale, torch.tensor([[1.0 / 127], [0.0]]))
+    wide = torch.cat([torch.full((32,), 0.01), torch.full((32,), 100.0)])[None]    # a head of 64: two groups
+    q, scale = kv_cache.kv_quantize(wide)
+    assert scale.shape == (1, 2) and (q == 127).all()                          # the small group keeps its precision
+
+
+HEADS = {"head 32, one scale group": dict(arch="llama", hidden_size=96, num_heads=6, num_kv_heads=1, head_dim=32,
+                                          intermediate_size=200, num_layers=3),
+         "head 128, four scale groups": dict(arch="qwen2", hidden_size=112, num_heads=7, num_kv_heads=1,
+                                             head_dim=128, intermediate_size=160)}
+
+
+@native_only
+@pytest.mark.parametrize("head", list(HEADS))
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_native_pass_reads_and_writes_int8_caches_like_the_torch_layers(kind, head):
+    model = int8_model(**HEADS[head])
+    if kind == "static":
+        make, slots = (lambda: KVCache.for_model(model.config, 3, 128, torch.float32, kv_dtype=torch.int8)), [0, 2]
+    else:
+        tables = {7: list(range(1, 20)), 8: list(range(40, 20, -1))}
+        make, slots = (lambda: PagedKVCache(model.config, 48, 4, tables, torch.float32, kv_dtype=torch.int8)), [7, 8]
+    caches = {n: make() for n in (True, False)}
+    assert caches[True].view(slots, torch.zeros(2, 1, dtype=torch.long)).layout() is not None   # read natively
+    prompts = [list(range(1, 70)), list(range(10, 76))]                        # torch prefill (> 65 tokens)
+    for native, cache in caches.items():
+        for s, p in zip(slots, prompts):
+            run(model, cache, [s], [p], native)
+            advance(cache, [s], [p])
+    for chunks in ([[5], [7]], [[1, 2, 3], [9, 8, 7]]):
+        out = {n: run(model, c, slots, chunks, n) for n, c in caches.items()}
+        assert (out[True] - out[False]).norm() < 1e-2 * out[False].norm()
+        for c in caches.values():
+            advance(c, slots, chunks)
+    assert caches[True].k.dtype == torch.int8
+    written = (caches[True].k != 0).sum().item()
+    assert written > 0 and abs(written - (caches[False].k != 0).sum().item()) < 0.01 * written
+    assert (caches[True].store.ks - caches[False].store.ks).abs().max() < 1e-2 * caches[False].store.ks.abs().max()
+
+
+@native_only
+def test_int8_cache_rows_do_not_depend_on_the_pass_they_share():
+    """A 5-token pass equals five 1-token passes bit for bit on an int8 cache (native pass)."""
+    model = int8_model(**HEADS["head 128, four scale groups"])
+    prompt, more = list(range(1, 20)), [4, 8, 15, 16, 23]
+    rows = {}
+    for name in ("together", "one by one"):
+        cache = KVCache.for_model(model.config, 1, 64, torch.float32, kv_dtype=torch.int8)
+        run(model, cache, [0], [prompt], True)
+        advance(cache, [0], [prompt])
+        if name == "together":
+            rows[name] = run(model, cache, [0], [more], True)[0]
+        else:
+            outs = []
+            for t in more:
+                outs.append(run(model, cache, [0], [[t]], True)[0, 0])
+                advance(cache, [0], [[t]])
+            rows[name] = torch.stack(outs)
+    assert torch.equal(rows["together"], rows["one by one"])
+
+
+@pytest.mark.parametrize("fmt,kv", [("int8", "int8"), ("float32", "int8"), ("float32", "bfloat16")])
+def test_greedy_speculation_equals_plain_on_every_kv_format(fmt, kv):
+    """int8 weights run the native pass (int8 keys read in place); float32 weights the torch layers."""
+    make = int8_model if fmt == "int8" else (lambda seed, **kw: tiny_model(seed, **kw))
+    target, draft = make(0), make(1, num_layers=1)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7], list(range(10, 40)), [3, 1, 4, 1, 5, 9, 2, 6]]
+    plain = [o.token_ids for o in LLM(target, proposer="none", kv_dtype=kv).generate(prompts, params)]
+    for llm in (LLM(target, draft=draft, proposer="draft", k=3, kv_dtype=kv), LLM(target, proposer="ngram", k=5,
+                                                                                    kv_dtype=kv)):
+        assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+
+
+def logits_over(model, ids: list[int], kv_dtype) -> torch.Tensor:
+    """Next-token logits at every position of ids, fed one token at a time (decode passes)."""
+    cache = KVCache.for_model(model.config, 1, len(ids) + 1, torch.float32, kv_dtype=kv_dtype)
+    out = []
+    for i, t in enumerate(ids):
+        pos = torch.tensor([[i]])
+        out.append(model.logits(model(torch.tensor([[t]]), pos, cache.view([0], pos)), torch.tensor([[0]]))[0, 0])
+        cache.set_length(0, i + 1)
+    return torch.stack(out)
+
+
+def test_int8_cache_stays_close_to_the_float_cache_and_a_mis_scaled_one_does_not(monkeypatch):
+    model = tiny_model(0)
+    ids = [(7 * i + 3) % 96 for i in range(60)]
+    ref = torch.log_softmax(logits_over(model, ids, None), -1)
+
+    def agreement_and_kl():
+        got = torch.log_softmax(logits_over(model, ids, torch.int8), -1)
+        return (ref.argmax(-1) == got.argmax(-1)).float().mean().item(), (ref.exp() * (ref - got)).sum(-1).mean().item()
+
+    top1, kl = agreement_and_kl()
+    assert top1 >= 0.95 and kl < 5e-3                                         # measured: 0.983, 0.0004
+    real = kv_cache.kv_quantize
+    monkeypatch.setattr(kv_cache, "kv_quantize", lambda x: (lambda q, s: (q, s * 0.9))(*real(x)))   # scales 10 % off
+    top1, kl = agreement_and_kl()
+    assert top1 < 0.95 or kl > 5e-3                                           # measured: 0.80, 0.026
+
+
+def test_int8_cache_holds_over_three_and_a_half_times_the_sequences_per_mib():
+    """At the embedded pair's head sizes (64 and 128; a scale per head vector costs 4 bytes)."""
+    for kw in (dict(head_dim=64, num_heads=4, num_kv_heads=2, hidden_size=128),
+               dict(hidden_size=112, num_heads=7, num_kv_heads=1, head_dim=128, intermediate_size=160)):
+        model = tiny_model(0, **kw)
+        llm = LLM(model, proposer="none")
+        blocks = {kv: LLM(model, proposer="none", kv_dtype=kv).engine(kv_budget_mb=8).pool.usable
+                  for kv in ("float32", "bfloat16", "int8")}
+        assert blocks["int8"] >= 3.5 * blocks["float32"] and blocks["bfloat16"] >= 1.99 * blocks["float32"]
+        assert llm.engine(kv_budget_mb=8).pool.usable == blocks["float32"]     # auto: the model's dtype
