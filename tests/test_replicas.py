@@ -161,3 +161,23 @@ def test_sigterm_drains_and_leaves_no_ray_process(replicas):
     while _ray_processes() and time.time() < deadline:
         time.sleep(0.5)
     assert _ray_processes() == []
+
+
+def test_replicas_without_ray_fail_with_what_to_install(monkeypatch):
+    import builtins
+
+    from verispec.cli.serve import _check_replicas
+    from verispec.errors import VerispecError
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kw):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError(name)
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    with pytest.raises(VerispecError, match=r"pip install 'verispec\[serve,ray\]'"):
+        _check_replicas(SimpleNamespace(replicas=2, threads_per_replica=None, ray_address=None))
+    with pytest.raises(VerispecError, match="go with --replicas"):
+        _check_replicas(SimpleNamespace(replicas=None, threads_per_replica=2, ray_address=None))

@@ -32,6 +32,9 @@ from pathlib import Path
 
 import torch
 
+from verispec.kernels.abi import CacheLayout, DecoderDims, LayerWeights, LinearWeights  # noqa: F401
+from verispec.kernels.packing import BLOCK, pack_int4, pack_int8, unpack_int4, unpack_int8  # noqa: F401
+
 HERE = Path(__file__).parent
 SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "attention.c", HERE / "decoder.c"]
 HEADER = HERE / "kernels.h"
@@ -204,61 +207,6 @@ def available() -> bool:
     return _load() is not None
 
 
-BLOCK = 16                 # output columns per packed int8 block
-
-
-def pack_int8(weight: torch.Tensor) -> torch.Tensor:
-    """int8 (N, K) -> the kernel's layout (ceil(N/16), ceil(K/2), 32): for each pair of k, a block's
-    32 bytes hold columns 0-7 then 8-15, each column's two weights adjacent; zero past N and K."""
-    n, k = weight.shape
-    blocks, pairs = -(-n // BLOCK), -(-k // 2)
-    padded = torch.zeros(blocks * BLOCK, 2 * pairs, dtype=torch.int8)
-    padded[:n, :k] = weight
-    # (blocks, half, column, pair, t) -> (blocks, pair, half, column, t)
-    return padded.view(blocks, 2, 8, pairs, 2).permute(0, 3, 1, 2, 4).reshape(blocks, pairs, 32).contiguous()
-
-
-def unpack_int8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The inverse of pack_int8: (ceil(N/16), ceil(K/2), 32) -> (N, K)."""
-    blocks, pairs, _ = packed.shape
-    full = packed.view(blocks, pairs, 2, 8, 2).permute(0, 2, 3, 1, 4).reshape(blocks * BLOCK, 2 * pairs)
-    return full[:n, :k].contiguous()
-
-
-def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (N, K) integers 0 … 15, scales and mins (N, K/32) -> gemm4.c's layout: packed (ceil(N/16), K/32,
-    4, 16) int32 (bit 4i + 16t of word (b, g, j, c) holds q[16b + c, 32g + 8j + 2i + t]) and scales,
-    mins (ceil(N/16), K/32, 16) float16; zero past N."""
-    n, k = q.shape
-    blocks, groups = -(-n // BLOCK), k // 32
-    qp = torch.zeros(blocks * BLOCK, k, dtype=torch.int32)
-    qp[:n] = q.to(torch.int32)
-    qp = qp.view(blocks, BLOCK, groups, 4, 4, 2)                              # (b, c, g, j, i, t)
-    shifts = (4 * torch.arange(4)[:, None] + 16 * torch.arange(2)[None, :]).to(torch.int32)   # (i, t)
-    words = (qp << shifts).sum(dim=(-2, -1), dtype=torch.int64)              # (b, c, g, j), < 2^32
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    packed = words.permute(0, 2, 3, 1).contiguous()                          # (b, g, j, c)
-
-    def per_block(v: torch.Tensor) -> torch.Tensor:                          # (N, G) -> (blocks, G, 16) fp16
-        out = torch.zeros(blocks * BLOCK, groups, dtype=torch.float16)
-        out[:n] = v.to(torch.float16)
-        return out.view(blocks, BLOCK, groups).permute(0, 2, 1).contiguous()
-
-    return packed, per_block(scales), per_block(mins)
-
-
-def unpack_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int) -> torch.Tensor:
-    """The weight pack_int4's arguments describe, (N, K) float32: min + q · scale in fp32."""
-    blocks, groups = packed.shape[:2]
-    words = packed.to(torch.int64) & 0xFFFFFFFF                              # (b, g, j, c)
-    shifts = 4 * torch.arange(4)[:, None] + 16 * torch.arange(2)[None, :]   # (i, t)
-    q = (words[..., None, None] >> shifts) & 0xF                             # (b, g, j, c, i, t)
-    q = q.permute(0, 3, 1, 2, 4, 5).reshape(blocks * BLOCK, groups, 32).float()
-    sc = scales.permute(0, 2, 1).reshape(blocks * BLOCK, groups, 1).float()
-    mn = mins.permute(0, 2, 1).reshape(blocks * BLOCK, groups, 1).float()
-    return (mn + q * sc).reshape(blocks * BLOCK, groups * 32)[:n]
-
-
 def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (M, K) float32 contiguous, packed weight from pack_int8, scales (N,) float32 -> (M, N) float32.
 
@@ -333,45 +281,6 @@ def _attend_rows(lib, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                 scale, torch.get_num_threads()):
         raise MemoryError("attend_rows: no memory for the scores")
     return out
-
-
-class LinearWeights(ctypes.Structure):
-    """One linear for decoder.c: format 0 = int8 (w, scale), 1 = int4 (w, scale, mins); pointers."""
-    _fields_ = [("format", ctypes.c_int64), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p),
-                ("mins", ctypes.c_void_p)]
-
-
-class LayerWeights(ctypes.Structure):
-    """One decoder layer's tensors for decoder.c (pointers; the owner keeps the tensors alive)."""
-    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
-                ("qkv", LinearWeights), ("o", LinearWeights), ("gu", LinearWeights), ("down", LinearWeights)]
-
-
-class DecoderDims(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_long) for name in ("layers", "C", "H", "Hkv", "D", "I")] + \
-               [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """Where the decoder pass reads and writes keys and values (decoder.c, kernels.h's kv_view): position s
-    of batch row b, layer l, KV head h at store[l · layer_stride + tables[b, s // block] · block_stride
-    + h · head_stride + (s % block) · D]. k, v float32 stores, or int8 stores with ks, vs float32 scales,
-    one per `group` dimensions, at scale[l · sc_layer_stride + tables[…] · sc_block_stride
-    + h · sc_head_stride + (s % block) · D / group + d / group]; tables (B, NB) int64 contiguous."""
-    k: torch.Tensor
-    v: torch.Tensor
-    tables: torch.Tensor
-    block: int
-    layer_stride: int
-    block_stride: int
-    head_stride: int
-    ks: torch.Tensor | None = None
-    vs: torch.Tensor | None = None
-    sc_layer_stride: int = 0
-    sc_block_stride: int = 0
-    sc_head_stride: int = 0
-    group: int = 0
 
 
 def _decoder(lib, x: torch.Tensor, weights, dims: DecoderDims, cos: torch.Tensor, sin: torch.Tensor,
