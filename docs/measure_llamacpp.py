@@ -41,6 +41,7 @@ def llama_run(ids):
     end = time.perf_counter()
     return first - t0, (n - 1) / (end - first)
 def vs_run(ids):
+    v.clear_prefix_cache()                     # a cold prompt each time, as llama.cpp's reset() gives it
     out = v.generate([ids], SamplingParams(temperature=0, max_tokens=N, ignore_eos=True))[0]
     return out.prefill_s, out.tokens_per_s
 rows = []

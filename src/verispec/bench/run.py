@@ -72,6 +72,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
                         # No seed: sampled runs then use the measured-cost K policy, what users get by default
                         # (a seeded request follows the fixed-cost schedule, see KPolicy.choose).
                         params = SamplingParams(temperature=temp, max_tokens=max_tokens)
+                        llms[mode].clear_prefix_cache()          # every repeat prefills its prompt, as peers do
                         t = time.perf_counter()
                         outs = llms[mode].generate([texts[i] for i in group], params)
                         wall = time.perf_counter() - t
