@@ -98,3 +98,26 @@ def write_chat_model_dir(root):
     (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [256, 257]}))
     return root
+
+
+def int8_model(seed: int = 0, **kw):
+    """A tiny model with int8 linears (what the native decoder pass runs)."""
+    from verispec.models.quant import quantize_linears
+
+    return quantize_linears(tiny_model(seed, scale=1.5, **kw), "int8")
+
+
+def run_pass(model, cache, slots, chunks, native: bool) -> torch.Tensor:
+    """One pass of chunks[b] after each slot's cached tokens, native or torch layers; hidden (B, T, C)."""
+    model.native_pass = native
+    t = max(len(c) for c in chunks)
+    ids = torch.tensor([c + [0] * (t - len(c)) for c in chunks])
+    start = torch.tensor([cache.lengths[s] for s in slots])
+    positions = start[:, None] + torch.arange(t)[None, :]
+    return model(ids, positions, cache.view(slots, positions))
+
+
+def advance(cache, slots, chunks):
+    """Commit chunks[b] to each slot (move its length pointer)."""
+    for s, c in zip(slots, chunks):
+        cache.set_length(s, cache.lengths[s] + len(c))

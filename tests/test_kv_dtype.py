@@ -8,31 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import advance, int8_model, tiny_model
+from conftest import run_pass as run
 from verispec import LLM, SamplingParams, kernels
 from verispec.models import KVCache, kv_cache
 from verispec.models.paged_cache import PagedKVCache
-from verispec.models.quant import quantize_linears
 
 native_only = pytest.mark.skipif(not kernels.available(), reason=f"native kernel {kernels.kernel_status()}")
-
-
-def int8_model(seed: int = 0, **kw):
-    return quantize_linears(tiny_model(seed, scale=1.5, **kw), "int8")
-
-
-def run(model, cache, slots, chunks, native: bool) -> torch.Tensor:
-    model.native_pass = native
-    t = max(len(c) for c in chunks)
-    ids = torch.tensor([c + [0] * (t - len(c)) for c in chunks])
-    start = torch.tensor([cache.lengths[s] for s in slots])
-    positions = start[:, None] + torch.arange(t)[None, :]
-    return model(ids, positions, cache.view(slots, positions))
-
-
-def advance(cache, slots, chunks):
-    for s, c in zip(slots, chunks):
-        cache.set_length(s, cache.lengths[s] + len(c))
 
 
 def test_kv_quantize_rounds_per_group_of_32():

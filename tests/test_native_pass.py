@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import advance, int8_model, tiny_model
+from conftest import run_pass as run
 from verispec import LLM, SamplingParams, kernels
 from verispec.models import KVCache
 from verispec.models.native import NativeDecoder
@@ -24,25 +25,6 @@ SHAPES = {
     "qwen2 GQA 7:1, head 128": dict(arch="qwen2", hidden_size=112, num_heads=7, num_kv_heads=1, head_dim=128,
                                     intermediate_size=160),
 }
-
-
-def int8_model(seed: int = 0, **kw):
-    return quantize_linears(tiny_model(seed, scale=1.5, **kw), "int8")
-
-
-def run(model, cache, slots, chunks, native: bool) -> torch.Tensor:
-    """One pass of chunks[b] after each slot's cached tokens; returns hidden states (B, T, C)."""
-    model.native_pass = native
-    t = max(len(c) for c in chunks)
-    ids = torch.tensor([c + [0] * (t - len(c)) for c in chunks])
-    start = torch.tensor([cache.lengths[s] for s in slots])
-    positions = start[:, None] + torch.arange(t)[None, :]
-    return model(ids, positions, cache.view(slots, positions))
-
-
-def advance(cache, slots, chunks):
-    for s, c in zip(slots, chunks):
-        cache.set_length(s, cache.lengths[s] + len(c))
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -18,6 +18,8 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import write_chat_model_dir
+from verispec.cli.loadtest import _wait_healthy
+from verispec.errors import VerispecError
 from verispec.serving.replicas import Affinity, prefix_keys
 
 RAY_PROCESSES = ("raylet", "gcs_server", "ServeReplica", "ServeController")
@@ -58,7 +60,7 @@ def _ray_processes() -> list[str]:
 def replicas(tmp_path_factory):
     pytest.importorskip("ray")
     pytest.importorskip("ray.serve")
-    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("httpx")
     if _ray_processes():
         pytest.skip("another Ray instance runs on this machine")
     root = write_chat_model_dir(tmp_path_factory.mktemp("tiny-replicas"))
@@ -69,18 +71,13 @@ def replicas(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "verispec.cli.main", "serve", "--model", str(root),
                              "--dtype", "float32", "--replicas", "2", "--threads-per-replica", "1",
                              "--port", str(port), "--max-running", "4", "--served-model-name", "tiny"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=open(root / "serve.log", "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.time() < deadline, "replicas did not come up"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    try:
+        _wait_healthy(url, proc, timeout=300)
+    except VerispecError:
+        proc.kill()
+        raise AssertionError(f"replicas did not come up: {(root / 'serve.log').read_text()[-2000:]}") from None
     yield SimpleNamespace(url=url, proc=proc)
     if proc.poll() is None:
         proc.kill()

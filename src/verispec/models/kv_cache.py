@@ -87,7 +87,21 @@ class KVStore:
         return out[0], out[1]
 
 
-class KVCache:
+class StoredKV:
+    """A cache's keys and values as tensors (`cache.k`, `cache.v`), whatever holds them."""
+
+    store: KVStore
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.store.k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.store.v
+
+
+class KVCache(StoredKV):
     """Per-layer K/V storage of shape (num_layers, num_slots, num_kv_heads, max_len, head_dim)."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int,
@@ -103,14 +117,6 @@ class KVCache:
                   device: str | torch.device = "cpu", kv_dtype: torch.dtype | None = None) -> "KVCache":
         return cls(config.num_layers, num_slots, config.num_kv_heads, max_len, config.head_dim, dtype, device,
                    kv_dtype)
-
-    @property
-    def k(self) -> torch.Tensor:
-        return self.store.k
-
-    @property
-    def v(self) -> torch.Tensor:
-        return self.store.v
 
     @property
     def num_slots(self) -> int:

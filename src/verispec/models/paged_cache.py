@@ -17,10 +17,10 @@ from collections import defaultdict
 
 import torch
 
-from verispec.models.kv_cache import CacheView, KVStore, _layout
+from verispec.models.kv_cache import CacheView, KVStore, StoredKV, _layout
 
 
-class PagedKVCache:
+class PagedKVCache(StoredKV):
     """K/V storage of shape (num_layers, num_blocks, num_kv_heads, block_size, head_dim), in the model's
     dtype or in kv_dtype (kv_cache.py: bfloat16, or int8 with per position and head scales)."""
 
@@ -37,14 +37,6 @@ class PagedKVCache:
     @staticmethod
     def bytes_per_block(config, block_size: int, kv_dtype: torch.dtype) -> int:
         return block_size * KVStore.bytes_per_position(config, kv_dtype)
-
-    @property
-    def k(self) -> torch.Tensor:
-        return self.store.k
-
-    @property
-    def v(self) -> torch.Tensor:
-        return self.store.v
 
     def capacity(self, slot: int) -> int:
         return len(self.block_tables.get(slot, ())) * self.block_size
