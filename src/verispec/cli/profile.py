@@ -42,16 +42,19 @@ def run(args) -> int:
         raise VerispecError("--alphas must lie in [0, 1]")
     target = load_model(args.model, args.dtype, args.device, progress=True)
     draft = load_model(args.draft or DEFAULT_DRAFT, args.dtype, args.device, progress=True)
+    from verispec.models.kv_cache import KV_DTYPES
+
+    kv = None if args.kv_dtype == "auto" else KV_DTYPES[args.kv_dtype]
     c_p = pass_costs(target.model, list(range(1, args.max_n + 1)), args.context, args.repeats,
                      on_round=lambda r, total: print(f"\rmeasuring c_p(1 … {args.max_n}): round {r}/{total}", end="",
-                                                     file=sys.stderr, flush=True))
+                                                     file=sys.stderr, flush=True), kv_dtype=kv)
     print(file=sys.stderr)
-    c_q = {"draft": pass_cost(draft.model, 1, args.context)}
+    c_q = {"draft": pass_cost(draft.model, 1, args.context, kv_dtype=kv)}
     if 0 < args.draft_vocab < draft.config.vocab_size:
         from verispec.proposers.draft_vocab import frequent_tokens
 
         vocab = frequent_tokens(draft.tokenizer, args.draft_vocab, draft.config.vocab_size)
-        c_q[f"draft/{args.draft_vocab}"] = pass_cost(draft.model, 1, args.context, vocab=vocab)
+        c_q[f"draft/{args.draft_vocab}"] = pass_cost(draft.model, 1, args.context, vocab=vocab, kv_dtype=kv)
     tokens = list(range(50)) * (args.context // 50 + 1)
     t = time.perf_counter()
     for _ in range(100):

@@ -25,15 +25,16 @@ CALIBRATION_WIDTHS = (2, 3, 4, 5, 6, 8, 12, 17, 24, 33, 48, 65)
 
 
 def pass_costs(model: Transformer, widths: list[int], context: int = 128, repeats: int = 5,
-                on_round=None, vocab: torch.Tensor | None = None) -> dict[int, float]:
+                on_round=None, vocab: torch.Tensor | None = None,
+                kv_dtype: torch.dtype | None = None) -> dict[int, float]:
     """Median seconds of one forward pass over n new tokens after `context` cached tokens, logits
-    for all n rows (what a verify pass computes), for each n in widths.
+    for all n rows (what a verify pass computes), for each n in widths; kv_dtype: the cache's format.
 
     The widths are measured round-robin — every round times each width once — so a slow spell of a
     shared machine falls on all widths alike instead of on whichever was being measured."""
     widths = sorted(set(widths))
     top = max(widths)
-    cache = KVCache.for_model(model.config, 1, context + top + 1, model.dtype, model.device)
+    cache = KVCache.for_model(model.config, 1, context + top + 1, model.dtype, model.device, kv_dtype)
     ids = torch.randint(0, model.config.vocab_size, (1, context + top))
     pos = torch.arange(context)[None]
     model(ids[:, :context], pos, cache.view([0], pos))
@@ -52,9 +53,9 @@ def pass_costs(model: Transformer, widths: list[int], context: int = 128, repeat
 
 
 def pass_cost(model: Transformer, n: int, context: int = 128, repeats: int = 5,
-              vocab: torch.Tensor | None = None) -> float:
+              vocab: torch.Tensor | None = None, kv_dtype: torch.dtype | None = None) -> float:
     """pass_costs for one width (vocab: logits for these token ids only, a truncated draft's)."""
-    return pass_costs(model, [n], context, repeats, vocab=vocab)[n]
+    return pass_costs(model, [n], context, repeats, vocab=vocab, kv_dtype=kv_dtype)[n]
 
 
 def c_p_at(c_p: dict[int, float], n: int) -> float:
