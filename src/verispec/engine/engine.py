@@ -203,9 +203,7 @@ class Engine:
             return
         for e, start, _ in parts:
             self.target.cache.set_length(e.slot, start)
-        t0 = time.perf_counter()
         self.target.feed([e.slot for e, _, _ in parts], [e.seq.tokens[a:b] for e, a, b in parts])
-        self.stats.prefill_s += time.perf_counter() - t0
         for e, _, end in parts:
             self.scheduler.committed(e, end)
 

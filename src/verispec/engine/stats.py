@@ -47,7 +47,6 @@ class EngineStats:
     spec: SpecMetrics = field(default_factory=lambda: SpecMetrics("all", "-"))   # sequences that left
     preemptions: int = 0
     engine_errors: int = 0
-    prefill_s: float = 0.0
     ttft: Histogram = field(default_factory=Histogram)
     tpot: Histogram = field(default_factory=Histogram)
     e2e: Histogram = field(default_factory=Histogram)

@@ -52,15 +52,9 @@ class ModelRunner:
         idx = torch.tensor([x + [x[-1]] * (r - len(x)) for x in rows], dtype=torch.long, device=device)
         return self.model.logits(hidden, idx, vocab)                              # (B, R, V or N)
 
-    def prefill(self, slots: list[int], token_lists: list[list[int]], chunk: int = 512) -> None:
-        """Write token_lists[b][:-1] into the cache (the last token stays pending), in chunks so a
-        long prompt never materialises one huge activation."""
-        for s in slots:
-            self.cache.set_length(s, 0)
-        self.extend(slots, token_lists, chunk)
-
     def extend(self, slots: list[int], token_lists: list[list[int]], chunk: int = 512) -> None:
-        """Catch up: write token_lists[b][length(slot_b):-1], whatever each slot has not cached yet.
+        """Catch up: write token_lists[b][length(slot_b):-1], whatever each slot has not cached yet, in
+        chunks so a long prompt never materialises one huge activation.
         Short catch-ups share a pass; longer ones run one sequence per pass (SHARED_PASS_MAX)."""
         todo = [(s, toks[self.length(s):-1]) for s, toks in zip(slots, token_lists)]
         offset = 0

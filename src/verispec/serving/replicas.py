@@ -76,10 +76,6 @@ class Affinity:
             self.owner.popitem(last=False)
 
 
-def _updates_from(item: dict) -> Update:
-    return Update(**item)
-
-
 def _is_task_error(err: Exception) -> bool:
     """An exception raised by the replica's code (it is alive), as opposed to the replica dying."""
     try:
@@ -129,7 +125,7 @@ class ReplicaRouter:
         async def pump():
             try:
                 async for item in stream:
-                    updates.put_nowait(_updates_from(item))
+                    updates.put_nowait(Update(**item))
             except asyncio.CancelledError:
                 stream.cancel()
                 raise
