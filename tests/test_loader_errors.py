@@ -15,10 +15,33 @@ from verispec.loaders import builtin  # noqa: E402
 from verispec.engine.loading import load_model  # noqa: E402
 
 
-def write_tiny_gguf(path: Path, arch: str = "qwen2", qtype=None, drop: str | None = None, layers: int = 1) -> Path:
-    """A small valid GGUF written with the gguf package (F32 weights unless qtype given)."""
+# A 48-token byte-level BPE for tiny models: letters, digits, a space, two merges, ChatML specials.
+TINY_TOKENS = [*"abcdefghijklmnopqrstuvwxyz", *"ABCDEFGHIJKLMN", "0", "1", "Ġ", "Ġa", "ab",
+               "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def add_tiny_tokenizer(w) -> None:
+    """Tokenizer metadata as llama.cpp writes it (gpt2 BPE, token types, merges, ids, chat template)."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(TINY_TOKENS)
+    w.add_token_types([3 if t.startswith("<|") else 1 for t in TINY_TOKENS])
+    w.add_token_merges(["Ġ a", "a b"])
+    w.add_eos_token_id(TINY_TOKENS.index("<|im_end|>"))
+    w.add_bos_token_id(TINY_TOKENS.index("<|endoftext|>"))
+    w.add_chat_template(TINY_TEMPLATE)
+
+
+def write_tiny_gguf(path: Path, arch: str = "qwen2", qtype=None, drop: str | None = None, layers: int = 1,
+                    tokenizer: bool = False) -> Path:
+    """A small valid GGUF written with the gguf package (F32 weights unless qtype given; with
+    `tokenizer`, a 48-token BPE and a chat template in the metadata)."""
     from gguf import GGMLQuantizationType as Q
     w = gguf.GGUFWriter(str(path), arch)
+    if tokenizer:
+        add_tiny_tokenizer(w)
     c, ff, heads, kv, vocab = 32, 64, 4, 2, 48
     w.add_block_count(layers)
     w.add_context_length(128)

@@ -34,3 +34,7 @@ class InvalidRequest(VerispecError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+class NonFiniteOutput(VerispecError):
+    """A model produced NaN or infinite scores: its weights or settings are broken (or overflow)."""

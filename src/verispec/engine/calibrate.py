@@ -11,13 +11,12 @@ drafts that a long copied match makes worthwhile. The policy keeps refining them
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 
+from verispec.cache import cache_dir, write_json
 from verispec.models import KVCache, Transformer
 
 # Widths measured once (sparse; the policy interpolates between them): K + 1 for K up to 64.
@@ -100,7 +99,6 @@ def _calibrated(key: str, measure) -> dict:
     """The calibration file's entry for key (with the machine's CPU, kernel build and threads added),
     or measure() now and store it."""
     from verispec.kernels import machine
-    from verispec.loaders.builtin import cache_dir
 
     info = machine()
     full_key = "|".join([key, info["cpu_model"], info["kernel"], f"{torch.get_num_threads()} threads"])
@@ -115,12 +113,5 @@ def _calibrated(key: str, measure) -> dict:
     entry = measure()
     stored = stored if isinstance(stored, dict) else {}
     stored[full_key] = entry
-    try:                                                     # atomic: a concurrent writer never leaves half a file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(stored, f, indent=1)
-        os.replace(tmp, path)
-    except OSError:
-        pass                                                 # a read-only cache: measure again next time
+    write_json(path, stored)                                 # a read-only cache: measure again next time
     return entry

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from verispec.cache import atomic_directory, atomic_file, cache_dir
 from verispec.config import ModelConfig
 from verispec.errors import InvalidModelFile, ModelNotFound, UnsupportedModel, VerispecError
 from verispec.loaders import builtin
@@ -90,14 +91,20 @@ def load_model(arg: str | Path, dtype: str | torch.dtype = "auto", device: str =
         stat = path.stat()
         key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
         name = path.stem
-    prepared = builtin.cache_dir() / "prepared" / f"{path.stem}-{key}"
+    prepared = cache_dir() / "prepared" / f"{path.stem}-{key}"
     cold = _prepared_version(prepared) != PREPARED_VERSION
+    if not cold:
+        try:
+            model, tok = load_directory(prepared, torch_dtype, device, quant)
+        except (VerispecError, OSError, RuntimeError, ValueError) as err:     # a damaged cache: prepare anew
+            print(f"verispec: the prepared copy of {path.name} is damaged ({str(err)[:120]}); preparing it again",
+                  file=sys.stderr)
+            shutil.rmtree(prepared, ignore_errors=True)
+            cold = True
     if cold:
         model, tok = _prepare_gguf(path, prepared, torch_dtype, device, progress)
         if quant is not None:
             _quantize_and_cache(model, quant, prepared)
-    else:
-        model, tok = load_directory(prepared, torch_dtype, device, quant)
     _check_template(tok, path)
     return LoadedModel(name, model, tok, path, time.perf_counter() - start, cold)
 
@@ -132,9 +139,8 @@ def _quantize_and_cache(model: Transformer, quant: str, prepared: Path | None) -
     quantize_linears(model, quant)
     if prepared is not None and (prepared / "verispec.json").is_file():
         target = prepared / _quant_file(quant)
-        tmp = target.with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
-        tmp.rename(target)
+        with atomic_file(target) as tmp:
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
         for stale in prepared.glob(f"model.{quant}.*safetensors"):     # caches in an older layout
             if stale != target:
                 stale.unlink(missing_ok=True)
@@ -152,21 +158,14 @@ def _prepare_gguf(path: Path, prepared: Path, dtype: torch.dtype, device: str, p
     cfg, state = load_gguf(path, torch.float32, on_tensor=report)
     check_state(cfg, state, path)
     fuse_projections(state)                     # stored fused, so a warm load copies nothing
-    tok, info = tokenizer_from_gguf(open_reader(path))
-    tmp = prepared.with_name(prepared.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    tok, info = tokenizer_from_gguf(open_reader(path), path, cfg.vocab_size)
+    with atomic_directory(prepared) as tmp:
         save_file({k: v for k, v in state.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")},
                   str(tmp / "model.safetensors"))
         if tok is not None:
             tok.save(str(tmp / "tokenizer.json"))
         meta = {"version": PREPARED_VERSION, "source": str(path), "config": asdict(cfg), "tokenizer": info}
         (tmp / "verispec.json").write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(prepared, ignore_errors=True)
-        tmp.rename(prepared)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     model = build_model(cfg, state, dtype, device, path)
     text_tok = TextTokenizer.from_files(prepared / "tokenizer.json", info) if tok is not None else None
     return model, text_tok

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.errors import NonFiniteOutput
 from verispec.models.runner import ModelRunner
 from verispec.engine.sequence import Sequence
 from verispec.proposers.base import Proposal, Proposer
@@ -43,6 +44,7 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
         rows.append(list(range(len(chunk) - num_draft[b] - 1, len(chunk))))
     logits = target.forward([s.slot for s in seqs], chunks, rows)                # (B, K+1, V)
     t2 = time.perf_counter()
+    _check_finite(logits, proposal)
 
     # 3. Accept: greedy rows by argmax, sampling rows by modified rejection sampling.
     result = _accept(seqs, logits, proposal)
@@ -76,6 +78,21 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
     steps = proposal.steps or {proposer.name: (max(num_draft, default=0), t1 - t0)}
     return RoundReport(num_draft, result.num_accepted.tolist(), sources, max(num_draft, default=0) + 1,
                        t2 - t1, steps, proposal.catchup)
+
+
+def _check_finite(logits: torch.Tensor, proposal: Proposal) -> None:
+    """Fail loudly on NaN or infinite scores (a broken or overflowing model) instead of sampling garbage.
+    Only the rows each sequence reads count: padding rows of a ragged pass may hold anything."""
+    b, width, _ = logits.shape
+    used = torch.arange(width)[None, :] <= proposal.num_draft[:, None]              # (B, K+1)
+    if not torch.isfinite(logits[used]).all():
+        raise NonFiniteOutput("the target model produced NaN or infinite logits; its weights or settings are "
+                              "broken (or its activations overflow)")
+    if proposal.q is not None and proposal.q.numel():
+        drafted = torch.arange(proposal.q.shape[1])[None, :] < proposal.num_draft[:, None]   # (B, K)
+        if not torch.isfinite(proposal.q[drafted]).all():
+            raise NonFiniteOutput("the draft model produced NaN or infinite probabilities; its weights or "
+                                  "settings are broken (or its activations overflow)")
 
 
 def _accept(seqs: list[Sequence], logits: torch.Tensor, proposal: Proposal) -> AcceptanceResult:

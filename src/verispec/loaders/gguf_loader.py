@@ -176,6 +176,14 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _check_disjoint(tensors: list, path: Path) -> None:
+    """Two tensors that share bytes mean a corrupt offset (each would load the other's weights)."""
+    spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in tensors)
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise InvalidModelFile(path, f"tensors {_show(first)} and {_show(second)} overlap (corrupt offsets)")
+
+
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
               on_tensor: Callable[[int, int], None] | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read, validate and dequantize a GGUF model file. Returns (config, HF-named state dict)."""
@@ -203,10 +211,13 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
         if start < int(reader.data_offset) or start % alignment or start + int(t.n_bytes) > file_size:
             raise InvalidModelFile(path, f"tensor {_show(t.name)} lies at a misaligned offset or outside the file's "
                                          "data (truncated or corrupt?)")
+        if name in chosen:
+            raise InvalidModelFile(path, f"tensor {_show(t.name)} appears twice")
         chosen[name] = t
     missing = sorted(set(want) - set(chosen))
     if missing:
         raise InvalidModelFile(path, f"missing {len(missing)} tensor(s), e.g. {missing[0]}")
+    _check_disjoint(list(chosen.values()), path)
 
     state = {}
     for i, (name, t) in enumerate(chosen.items()):

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from verispec.errors import InvalidRequest, UnsupportedModel
+from verispec.errors import InvalidModelFile, UnsupportedModel
+from verispec.loaders.chat_template import compile_template, render
 
 # Pre-tokenizer split patterns by `tokenizer.ggml.pre` (as in the models' own tokenizer.json files).
 _SPLIT_PATTERNS = {
@@ -25,37 +25,110 @@ _STOP_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
 _CONTROL, _USER_DEFINED = 3, 4
 
 
-def _string_array(reader, key: str) -> list[str]:
-    f = reader.get_field(key)
-    return [] if f is None else [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+class _Meta:
+    """Typed reads of one GGUF file's tokenizer metadata; InvalidModelFile on a wrong type or value."""
+
+    def __init__(self, reader, path: Path):
+        self.reader, self.path = reader, path
+
+    def fail(self, key: str, problem: str):
+        raise InvalidModelFile(self.path, f"metadata {key} {problem}")
+
+    def _field(self, key: str, types: tuple):
+        f = self.reader.get_field(key)
+        if f is not None and tuple(f.types[:len(types)]) != types:
+            self.fail(key, f"has type {'/'.join(t.name for t in f.types)}, expected {'/'.join(t.name for t in types)}")
+        return f
+
+    def string(self, key: str) -> str | None:
+        f = self._field(key, (gguf.GGUFValueType.STRING,))
+        return None if f is None else self._text(key, bytes(f.parts[f.data[0]]))
+
+    def strings(self, key: str) -> list[str] | None:
+        f = self._field(key, (gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING))
+        return None if f is None else [self._text(key, bytes(f.parts[i])) for i in f.data]
+
+    def integers(self, key: str) -> list[int] | None:
+        f = self.reader.get_field(key)
+        if f is None:
+            return None
+        if len(f.types) != 2 or f.types[0] != gguf.GGUFValueType.ARRAY or f.types[1] not in _INTEGER_TYPES:
+            self.fail(key, "must be an array of integers")
+        return [int(f.parts[i][0]) for i in f.data]
+
+    def integer(self, key: str, lo: int, hi: int) -> int | None:
+        f = self.reader.get_field(key)
+        if f is None:
+            return None
+        value = int(f.parts[f.data[0]][0]) if len(f.types) == 1 and f.types[0] in _INTEGER_TYPES else None
+        if value is None or not lo <= value < hi:
+            self.fail(key, f"must be an integer in {lo} … {hi - 1}")
+        return value
+
+    def flag(self, key: str) -> bool:
+        f = self._field(key, (gguf.GGUFValueType.BOOL,))
+        return False if f is None else bool(f.parts[f.data[0]][0])
+
+    def _text(self, key: str, raw: bytes) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(key, "holds a string that is not valid UTF-8")
 
 
-def _int_array(reader, key: str) -> list[int]:
-    f = reader.get_field(key)
-    return [] if f is None else [int(f.parts[i][0]) for i in f.data]
+_INTEGER_TYPES = tuple(getattr(gguf.GGUFValueType, n) for n in
+                       ("UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"))
+_NORMAL = 1
 
 
-def tokenizer_from_gguf(reader) -> tuple[Tokenizer | None, dict]:
-    """Rebuild the BPE tokenizer from GGUF metadata. Returns (tokenizer or None, extra info)."""
-    from verispec.loaders.gguf_loader import field as meta
-
-    info = {"chat_template": meta(reader, "tokenizer.chat_template"),
-            "eos_token_id": meta(reader, "tokenizer.ggml.eos_token_id"),
-            "bos_token_id": meta(reader, "tokenizer.ggml.bos_token_id"),
-            "add_bos_token": bool(meta(reader, "tokenizer.ggml.add_bos_token", False))}
-    kind = meta(reader, "tokenizer.ggml.model")
+def tokenizer_from_gguf(reader, path: Path, vocab_size: int) -> tuple[Tokenizer | None, dict]:
+    """Rebuild the BPE tokenizer from GGUF metadata, every value type- and range-checked against the
+    model's `vocab_size` embedding rows. Returns (tokenizer or None, extra info)."""
+    m = _Meta(reader, path)
+    kind = m.string("tokenizer.ggml.model")
+    tokens = m.strings("tokenizer.ggml.tokens") if kind is not None else None
+    n = len(tokens) if tokens is not None else vocab_size
+    info = {"chat_template": m.string("tokenizer.chat_template"),
+            "eos_token_id": m.integer("tokenizer.ggml.eos_token_id", 0, n),
+            "bos_token_id": m.integer("tokenizer.ggml.bos_token_id", 0, n),
+            "add_bos_token": m.flag("tokenizer.ggml.add_bos_token")}
     if kind is None:
         return None, info
     if kind != "gpt2":
-        raise UnsupportedModel(f"tokenizer type {kind!r} is not supported (byte-level BPE 'gpt2' only); "
+        raise UnsupportedModel(f"tokenizer type {kind[:40]!r} is not supported (byte-level BPE 'gpt2' only); "
                                "pass token ids instead of text")
-    pre = meta(reader, "tokenizer.ggml.pre", "qwen2")
-    tokens = _string_array(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in _string_array(reader, "tokenizer.ggml.merges")]
-    types = _int_array(reader, "tokenizer.ggml.token_type")
+    if not tokens or len(tokens) > vocab_size:
+        m.fail("tokenizer.ggml.tokens", f"holds {len(tokens or [])} tokens for {vocab_size} embedding rows")
+    pre = m.string("tokenizer.ggml.pre") or "qwen2"
+    types = m.integers("tokenizer.ggml.token_type")                  # optional, as in llama.cpp: normal
+    if types is None:
+        types = [_NORMAL] * len(tokens)
+    elif len(types) != len(tokens):
+        m.fail("tokenizer.ggml.token_type", f"holds {len(types)} types for {len(tokens)} tokens")
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)                                       # a repeated string keeps its first id
+    merges = []
+    for text in m.strings("tokenizer.ggml.merges") or []:
+        pair = tuple(text.split(" ", 1))
+        if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab:
+            m.fail("tokenizer.ggml.merges", f"holds {_printable(text)!r}, not two known tokens")
+        merges.append(pair)
+    try:
+        tok = _build(tokens, vocab, merges, types, pre)
+    except Exception as exc:              # the tokenizers library refuses what it cannot build
+        raise InvalidModelFile(path, f"the tokenizer metadata does not build a tokenizer "
+                                     f"({type(exc).__name__}: {_printable(str(exc))})") from None
+    return tok, info
 
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               fuse_unk=False, byte_fallback=False))
+
+def _printable(text: str, limit: int = 60) -> str:
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
+def _build(tokens: list[str], vocab: dict[str, int], merges: list[tuple[str, str]], types: list[int],
+           pre: str) -> Tokenizer:
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(_SPLIT_PATTERNS.get(pre, _SPLIT_PATTERNS["qwen2"])), behavior="isolated"),
@@ -64,7 +137,7 @@ def tokenizer_from_gguf(reader) -> tuple[Tokenizer | None, dict]:
     tok.decoder = decoders.ByteLevel()
     tok.add_tokens([AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
                     for i in range(len(tokens)) if types[i] in (_CONTROL, _USER_DEFINED)])
-    return tok, info
+    return tok
 
 
 @dataclass
@@ -107,49 +180,19 @@ class TextTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
     def compiled_template(self):
-        """The chat template compiled once in a sandbox; UnsupportedModel when there is none or it does
-        not compile (a model file's template is a stranger's code)."""
+        """The chat template compiled once in a bounded sandbox (a model file's template is a stranger's
+        code); UnsupportedModel when there is none or it does not compile."""
         if not self.chat_template:
             raise UnsupportedModel("this model has no chat template; use --raw to send the prompt as is")
         if self._template is None:
-            if not isinstance(self.chat_template, str):
-                raise UnsupportedModel("the model's chat template is not a string")
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            try:
-                self._template = env.from_string(self.chat_template)
-            except jinja2.TemplateError as err:
-                raise UnsupportedModel(f"the model's chat template does not compile: {_one_line(err)}") from None
+            self._template = compile_template(self.chat_template)
         return self._template
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The conversation rendered by the model's template. A template that rejects the messages (its
-        raise_exception, say, on a wrong role order) or fails on them is an InvalidRequest."""
-        template = self.compiled_template()
-        try:
-            text = template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None)
-        except TemplateRejected as err:
-            raise InvalidRequest(f"the chat template rejected the messages: {err}", param="messages") from None
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError,
-                RecursionError) as err:
-            raise InvalidRequest(f"the chat template failed on these messages: {_one_line(err)}",
-                                 param="messages") from None
-        if not isinstance(text, str):
-            raise InvalidRequest("the chat template did not produce text", param="messages")
-        return text
-
-
-class TemplateRejected(Exception):
-    """raise_exception(...) called by a chat template."""
-
-
-def _raise(message: str):
-    raise TemplateRejected(_one_line(message))
-
-
-def _one_line(err) -> str:
-    text = " ".join(str(err).split())
-    return "".join(c if c.isprintable() else "?" for c in text)[:300]
+        raise_exception, say, on a wrong role order), fails on them or goes past the rendering limits
+        is an InvalidRequest."""
+        return render(self.compiled_template(), messages, add_generation_prompt)
 
 
 class IncrementalDecoder:

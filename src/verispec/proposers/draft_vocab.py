@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sysconfig
-import tempfile
 from collections import Counter
 from importlib import resources
 from pathlib import Path
 
 import torch
+
+from verispec.cache import cache_dir, write_json
 
 COLLECTION_BYTES = 4 << 20        # how much of the standard library to count (sources in sorted order)
 
@@ -53,7 +53,6 @@ def frequent_tokens(tokenizer, n: int, vocab_size: int) -> torch.Tensor:
     """The n most frequent token ids (sorted, int64), stop tokens included, all below vocab_size."""
     if not 1 <= n < vocab_size:
         raise ValueError(f"a draft vocabulary of {n} tokens must be in 1 … {vocab_size - 1}")
-    from verispec.loaders.builtin import cache_dir
 
     fingerprint = hashlib.sha256(tokenizer.tokenizer.to_str().encode()).hexdigest()[:16]
     path = cache_dir() / "draft-vocab" / f"{fingerprint}-{n}.json"
@@ -78,12 +77,5 @@ def frequent_tokens(tokenizer, n: int, vocab_size: int) -> torch.Tensor:
         if t not in counts:
             keep.append(t)
     ids = sorted(keep[:n])
-    try:                                              # atomic: a concurrent writer never leaves half a file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(ids, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    write_json(path, ids)
     return torch.tensor(ids, dtype=torch.long)

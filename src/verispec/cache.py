@@ -1,0 +1,99 @@
+"""The cache directory and crash-safe writes into it.
+
+Everything verispec derives (assembled GGUFs, prepared model directories, quantized weights, kernel
+builds, calibrations, draft vocabularies) is written under a temporary name that carries the writer's
+process id and then renamed into place, so a reader sees a whole file or none. A writer killed
+mid-write leaves only its temporary, which the next writer in that directory removes once the
+process that made it is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+_TEMP = re.compile(r"^\..+\.(\d+)\.tmp$")
+
+
+def cache_dir() -> Path:
+    """Where assembled models and derived files live: $VERISPEC_CACHE or ~/.cache/verispec."""
+    root = os.environ.get("VERISPEC_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "verispec"
+
+
+def temp_path(target: Path) -> Path:
+    """This process's temporary name for `target`, in the same directory (so a rename is atomic)."""
+    return target.with_name(f".{target.name}.{os.getpid()}.tmp")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep(directory: Path) -> list[Path]:
+    """Remove the temporaries that dead writers left in `directory`; returns what was removed."""
+    removed = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TEMP.match(entry.name)
+        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
+@contextmanager
+def atomic_file(target: Path) -> Iterator[Path]:
+    """Yield a temporary path to write; on success it replaces `target` in one rename."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    sweep(target.parent)
+    tmp = temp_path(target)
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json(target: Path, value) -> bool:
+    """Atomically write `value` as JSON; False when the cache is not writable (the caller recomputes)."""
+    try:
+        with atomic_file(target) as tmp:
+            tmp.write_text(json.dumps(value, indent=1))
+        return True
+    except OSError:
+        return False
+
+
+@contextmanager
+def atomic_directory(target: Path) -> Iterator[Path]:
+    """Yield an empty temporary directory to fill; on success it takes `target`'s place (an older
+    `target` is moved aside first and removed after, so a reader never sees a half-filled one)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    sweep(target.parent)
+    tmp = temp_path(target)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = target.with_name(f".{target.name}-old.{os.getpid()}.tmp")
+        if target.exists():
+            os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
