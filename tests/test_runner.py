@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from verispec.models import runner as runner_mod
@@ -45,3 +46,42 @@ def test_separate_prefills_leave_the_cache_as_prefilling_alone_does():
         assert torch.equal(together.cache.k[:, slot, :, :n], alone.cache.k[:, 0, :, :n])
         assert together.length(slot) == n
     assert runner_mod.SHARED_PASS_MAX < 30
+
+
+def split_prefill(model, cut: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill a 150-token prompt whole (slot 0) and as `cut` tokens then the rest (slot 1, as after a
+    prefix-cache hit); the two slots' cached keys, (layers, H_kv, 149, D) each."""
+    r = ModelRunner(model, num_slots=2, max_len=160)
+    prompt = [(7 * i + 3) % model.config.vocab_size for i in range(150)]
+    r.extend([0], [prompt])
+    r.extend([1], [prompt[: cut + 1]])
+    r.extend([1], [prompt])
+    assert r.length(0) == r.length(1) == 149
+    return r.cache.k[:, 0, :, :149], r.cache.k[:, 1, :, :149]
+
+
+def test_a_prompt_split_anywhere_caches_the_same_bits():
+    """Cold, after a prefix-cache hit or in chunks, a position's keys are bit-identical, so a greedy
+    request gets one answer whichever way its prompt reached the cache."""
+    from verispec import kernels
+    from conftest import int8_model
+
+    model = int8_model(0)
+    if not kernels.available() or model.exact_pass_rows(ModelRunner(model, 1, 8).cache.store) is None:
+        pytest.skip(f"no row-exact native pass here ({kernels.kernel_status()})")
+    for cut in (16, 48, 97):
+        whole, split = split_prefill(model, cut)
+        assert torch.equal(whole, split), cut
+
+
+def test_a_prefill_that_ignores_row_exact_passes_is_caught(monkeypatch):
+    """The broken variant: long passes on the torch layers, short tails on the native pass."""
+    from verispec import kernels
+    from conftest import int8_model
+
+    model = int8_model(0)
+    if not kernels.available():
+        pytest.skip(f"no native pass here ({kernels.kernel_status()})")
+    monkeypatch.setattr(model, "exact_pass_rows", lambda store: None)
+    whole, split = split_prefill(model, 48)
+    assert not torch.equal(whole, split)

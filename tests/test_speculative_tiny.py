@@ -142,3 +142,19 @@ def test_samples_of_one_prompt_share_its_prefill_and_match_separate_runs():
     for i, out in enumerate(many):
         alone = llm.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(temperature=0.9, max_tokens=12, seed=5 + i))
         assert out.token_ids == alone[0].token_ids
+
+
+@pytest.mark.parametrize("proposer,temperature", [("none", 0.0), ("none", 0.8), ("draft", 0.8)])
+def test_non_finite_scores_fail_loudly_instead_of_sampling_garbage(proposer, temperature):
+    """A model whose activations overflow gives inf/NaN logits: generate raises NonFiniteOutput (the
+    argmax of NaN scores would otherwise be an arbitrary token). A broken draft matters only where its
+    q enters the acceptance rule (sampling); greedy verification rejects its tokens as any others."""
+    from verispec.errors import NonFiniteOutput
+
+    target, draft = tiny_model(0), tiny_model(1)
+    broken = target if proposer == "none" else draft
+    with torch.no_grad():
+        broken.model.norm.weight.fill_(float("inf"))
+    llm = LLM(target, draft=draft if proposer == "draft" else None, proposer=proposer, k=2)
+    with pytest.raises(NonFiniteOutput, match="NaN or infinite"):
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=temperature, max_tokens=4, seed=0))

@@ -169,12 +169,18 @@ class CacheView:
         return store.read(layer, (rows, slice(None), slice(None, self.kv_len)), self.cache.dtype)
 
 
+def in_place(store: KVStore) -> bool:
+    """Whether a native pass can read and write this store in place (float32 or int8 on the CPU)."""
+    k, v = store.k, store.v
+    return k.dtype in (torch.float32, torch.int8) and k.device.type == "cpu" and k.is_contiguous() and v.is_contiguous()
+
+
 def _layout(store: KVStore, tables: torch.Tensor, block: int):
     """A `kernels.CacheLayout` over a store (num_layers, blocks, H_kv, block, D), or None."""
     from verispec.kernels import CacheLayout
 
     k, v = store.k, store.v
-    if k.dtype not in (torch.float32, torch.int8) or k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
+    if not in_place(store):
         return None
     scales = {}
     if store.ks is not None:

@@ -67,12 +67,18 @@ class ModelRunner:
 
     def feed(self, slots: list[int], chunks: list[list[int]]) -> None:
         """Write chunks[b] at positions length(slot_b) … and move the lengths past them. Short chunks
-        share a pass; longer ones run one sequence per pass (SHARED_PASS_MAX)."""
+        share a pass; longer ones run one sequence per pass (SHARED_PASS_MAX), each in passes the model
+        computes row-exactly (`exact_pass_rows`): a position's keys and values are then the same bits
+        whichever way its prompt was split — prefilled whole, after a prefix-cache hit, or in chunks."""
         part = [(s, c) for s, c in zip(slots, chunks) if c]
         if not part:
             return
         shared = max(len(c) for _, c in part) <= SHARED_PASS_MAX
+        exact = self.model.exact_pass_rows(self.cache.store)
         for group in [part] if shared else [[p] for p in part]:
-            self.forward([s for s, _ in group], [c for _, c in group], rows=None)
-            for s, c in group:
-                self.cache.set_length(s, self.cache.lengths[s] + len(c))
+            step = exact or max(len(c) for _, c in group)
+            for at in range(0, max(len(c) for _, c in group), step):
+                pieces = [(s, c[at: at + step]) for s, c in group if len(c) > at]
+                self.forward([s for s, _ in pieces], [c for _, c in pieces], rows=None)
+                for s, c in pieces:
+                    self.cache.set_length(s, self.cache.lengths[s] + len(c))

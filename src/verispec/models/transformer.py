@@ -16,7 +16,7 @@ from torch import nn
 from verispec import kernels
 from verispec.config import ModelConfig
 from verispec.loaders.checkpoint import fuse_projections
-from verispec.models.kv_cache import CacheView
+from verispec.models.kv_cache import CacheView, KVStore, in_place
 from verispec.models.native import NativeDecoder
 
 
@@ -183,6 +183,15 @@ class Transformer(nn.Module):
         for block in self.model.layers:
             x = block(x, cos, sin, cache)
         return x
+
+    def exact_pass_rows(self, store: KVStore) -> int | None:
+        """The most tokens per row a pass may hold and still compute each row exactly as a one-token
+        decode step would (the native pass), or None when passes of every length run the torch layers.
+        Prefill in passes of at most this many tokens gives every cached position the same bits however
+        the prompt was split: cold, after a prefix-cache hit, or in chunks under load."""
+        if self._native_decoder() is None or not in_place(store):
+            return None
+        return ROW_EXACT_MAX_T
 
     def _native_decoder(self) -> NativeDecoder | None:
         if not self.native_pass:
