@@ -287,10 +287,10 @@ def supervise(out_dir: Path, count: int, seed: int, workers: int) -> int:
                     live.remove(w)
                     w.proc.wait()
                     spawn(w.todo[w.todo.index(w.current) + 1:])
-    return summarize(results, count)
+    return summarize(results, count, seed, workers)
 
 
-def summarize(results: Path, count: int) -> int:
+def summarize(results: Path, count: int, seed: int, workers: int) -> int:
     records = {}
     for line in results.read_text().splitlines():
         try:
@@ -303,8 +303,11 @@ def summarize(results: Path, count: int) -> int:
         outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
     findings = sorted((r for r in records.values() if "finding" in r), key=lambda r: r["i"])
     slowest = max((r.get("s", 0) for r in records.values()), default=0)
-    summary = {"mutants": len(records), "of": count, "outcomes": outcomes, "findings": len(findings),
-               "slowest_s": slowest}
+    from verispec.kernels import machine
+
+    summary = {"command": f"python tests/test_gguf_fuzz.py --count {count} --seed {seed} --workers {workers}",
+               "mutants": len(records), "of": count, "outcomes": outcomes, "findings": len(findings),
+               "slowest_s": slowest, "environment": machine()}
     (results.parent / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary))
     for r in findings[:20]:
