@@ -53,15 +53,15 @@ def hostile_messages(rng: random.Random):
         if rng.random() < 0.8 else hostile_value(rng)
 
 
-def hostile_request(rng: random.Random) -> dict:
+def hostile_request(rng: random.Random, model: str = "tiny") -> dict:
     """One request: method, path, raw body or JSON, headers, and whether to hang up mid-stream."""
     path = rng.choice(["/v1/completions"] * 12 + ["/v1/chat/completions"] * 12 +
-                      ["/v1/models", "/health", "/metrics", "/v1/models/tiny", "/v1/../etc/passwd", "/%ff", "/v1/"])
+                      ["/v1/models", "/health", "/metrics", f"/v1/models/{model}", "/v1/../etc/passwd", "/%ff", "/v1/"])
     method = "POST" if rng.random() < 0.9 else rng.choice(["GET", "PUT", "DELETE", "PATCH"])
     body: dict = {}
     chat = "chat" in path
     if rng.random() < 0.85:                                   # a plausible request, then spoil some fields
-        body = {"model": "tiny", "max_tokens": rng.randint(1, 12), "temperature": rng.choice([0, 0.7, 1.3])}
+        body = {"model": model, "max_tokens": rng.randint(1, 12), "temperature": rng.choice([0, 0.7, 1.3])}
         if chat:
             body["messages"] = [{"role": "user", "content": rng.choice(["hi", "sort a list", "¿qué?"])}]
         else:
@@ -81,7 +81,7 @@ def hostile_request(rng: random.Random) -> dict:
         d = rng.choice([40, 1000, 50_000])
         raw = b'{"prompt": "x", "user": ' + b"[" * d + b"]" * d + b"}"
     elif r < 0.16:
-        raw = json.dumps(body).replace('"tiny"', '"\\udc80"').encode()   # a lone surrogate
+        raw = json.dumps(body).replace(json.dumps(model), '"\\udc80"').encode()   # a lone surrogate
     elif r < 0.19:
         raw = b'{"prompt": "x", "max_tokens": ' + b"9" * rng.choice([20, 400, 5000]) + b"}"
     elif r < 0.21:
@@ -101,6 +101,8 @@ def check_answer(client: httpx.Client, url: str, req: dict) -> str | None:
         with client.stream(req["method"], url + req["path"], **kwargs) as r:
             if r.status_code >= 500 and r.status_code != 503:
                 return f"{r.status_code}: {r.read()[:200]!r}"
+            if r.status_code == 503 and req["path"] == "/health":
+                return None                                           # the health check while loading
             if r.status_code >= 400:
                 try:
                     err = json.loads(r.read())["error"]
@@ -133,10 +135,10 @@ def check_answer(client: httpx.Client, url: str, req: dict) -> str | None:
     return None
 
 
-def storm(url: str, count: int, seed: int, concurrency: int = 8) -> list[str]:
+def storm(url: str, count: int, seed: int, concurrency: int = 8, model: str = "tiny") -> list[str]:
     """Send `count` hostile requests, `concurrency` at a time; returns the findings."""
     rng = random.Random(seed)
-    reqs = [hostile_request(rng) for _ in range(count)]
+    reqs = [hostile_request(rng, model) for _ in range(count)]
     findings = []
     with httpx.Client(timeout=60) as client, concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         for i, problem in enumerate(pool.map(lambda r: check_answer(client, url, r), reqs)):
@@ -147,8 +149,8 @@ def storm(url: str, count: int, seed: int, concurrency: int = 8) -> list[str]:
     return findings
 
 
-def greedy(url: str) -> str:
-    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "def sort(", "max_tokens": 16,
+def greedy(url: str, model: str = "tiny") -> str:
+    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "def sort(", "max_tokens": 16,
                                                    "temperature": 0}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
@@ -214,9 +216,14 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--concurrency", type=int, default=8)
     args = ap.parse_args()
-    start = time.time()
-    found = storm(args.url.rstrip("/"), args.count, args.seed, args.concurrency)
-    print(json.dumps({"requests": args.count, "findings": len(found), "seconds": round(time.time() - start, 1)}))
+    url = args.url.rstrip("/")
+    model = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["id"]
+    before, start = greedy(url, model), time.time()
+    found = storm(url, args.count, args.seed, args.concurrency, model)
+    seconds = round(time.time() - start, 1)
+    if greedy(url, model) != before:
+        found.append("a greedy completion changed after the storm")
+    print(json.dumps({"model": model, "requests": args.count, "findings": len(found), "seconds": seconds}))
     for f in found[:30]:
         print(" ", f)
     sys.exit(1 if found else 0)
