@@ -33,11 +33,14 @@ def exact_marginals(P: torch.Tensor, n: int) -> list[np.ndarray]:
 
 def run_speculative(P: torch.Tensor, Q: torch.Tensor, k: int, n: int, samples: int, seed: int,
                     accept=accept_sampling, q_for_acceptance: torch.Tensor | None = None,
-                    point_mass: bool = False) -> np.ndarray:
+                    point_mass: bool = False, heads: bool = False, heads_report_chain: bool = False) -> np.ndarray:
     """Generate `samples` sequences of n tokens by speculative rounds; return (samples, n) tokens.
 
     The draft samples from Q; acceptance sees `q_for_acceptance` (default Q) — passing something
     else simulates the "raw q" bug. point_mass: drafts are passed with q=None.
+    heads: every draft of a round is drawn from Q given the token before the round only (as Medusa
+    heads draft: none sees the others' guesses). heads_report_chain: broken on purpose — such drafts
+    reported to acceptance with the q of a chain (given the previous draft).
     """
     v = P.shape[-1]
     gen = torch.Generator().manual_seed(seed)
@@ -60,9 +63,9 @@ def run_speculative(P: torch.Tensor, Q: torch.Tensor, k: int, n: int, samples: i
             p[:, i] = P[pos + i, cur]
             if i == k:
                 break
-            probs = Q[pos + i, cur]
+            probs = Q[pos + i, prev if heads else cur]
             drafts[:, i] = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-            q[:, i] = qa[pos + i, cur]
+            q[:, i] = qa[pos + i, prev if heads and not heads_report_chain else cur]
             cur = drafts[:, i]
         res = accept(p, drafts, None if point_mass else q, torch.full((b,), k), [gen] * b)
         cols = pos[:, None] + torch.arange(k + 1)[None, :]                # (b, K+1)

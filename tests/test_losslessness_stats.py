@@ -118,3 +118,14 @@ def test_a_truncated_draft_vocabulary_stays_exact_and_a_truncated_verifier_is_ca
     P_truncated[..., off] = 0.0
     P_truncated /= P_truncated.sum(-1, keepdim=True)
     assert is_biased(P, run_speculative(P_truncated, Q, k, N_TOKENS, SAMPLES, seed=14))
+
+
+def test_head_drafts_stay_exact_and_a_head_reported_as_a_chain_is_caught():
+    """Medusa heads draft every position of a round from the state before it (a draft never sees the
+    previous draft): still an exact sample from p, since acceptance only needs the q each draft was
+    drawn from. Broken on purpose: reporting each draft's q as if it had seen the previous draft."""
+    k = 3
+    P = torch.softmax(random_tables(21, N_TOKENS + k + 1, V), -1)
+    Q = torch.softmax(random_tables(22, N_TOKENS + k + 1, V), -1)
+    assert_matches_target(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=23, heads=True))
+    assert is_biased(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=23, heads=True, heads_report_chain=True))

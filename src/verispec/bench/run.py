@@ -40,13 +40,14 @@ def parse_modes(modes: list[str], ks: list[int | str]) -> list[Mode]:
 
 def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[BenchPrompt], modes: list[Mode],
               temperatures: list[float], max_tokens: int, repeats: int, batch_sizes: list[int] = (1,),
-              seed: int = 0, progress=True, peers: list | None = None, draft_vocab: int = 0,
+              seed: int = 0, progress=True, peers: list | None = None, draft_vocab: int = 0, head: str | None = None,
               kv_dtype: str = "auto") -> dict:
     """peers: HFPeer-like modes (bench/peers.py) run on the same prompts, interleaved, batch size 1.
     progress: True (a line on stderr), False, or a callable (done, total, description).
     draft_vocab: the draft modes' truncated vocabulary (0 = full); kv_dtype: every mode's KV cache format."""
     llms = {m: LLM(target, draft=draft if m.proposer in ("draft", "hybrid") else None, proposer=m.proposer, k=m.k,
-                   draft_vocab=draft_vocab if m.proposer in ("draft", "hybrid") else 0, kv_dtype=kv_dtype)
+                   draft_vocab=draft_vocab if m.proposer in ("draft", "hybrid") else 0, kv_dtype=kv_dtype,
+                   head=head if m.proposer == "head" else None)
             for m in modes}
     plain_llm = llms[modes[0]]
     texts = [p.render(plain_llm) for p in prompts]

@@ -74,6 +74,9 @@ def add_model_args(p) -> None:
                    help="let the draft model propose only the N most frequent tokens (its LM head reads N rows "
                         "instead of all; output unchanged: the target verifies over its whole vocabulary). "
                         "0 = the full vocabulary (default)")
+    p.add_argument("--head", default=None, metavar="FILE",
+                   help="drafting heads for --proposer head (default: the heads shipped for the target; "
+                        "`verispec train-head` makes them)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
 
 
@@ -93,7 +96,7 @@ def build_llm(args):
 
     return LLM(model=args.model, draft=args.draft, proposer=args.proposer, k=args.k, dtype=args.dtype,
                device=args.device, progress=True, corpus=args.corpus, draft_vocab=args.draft_vocab,
-               kv_dtype=args.kv_dtype)
+               kv_dtype=args.kv_dtype, head=args.head)
 
 
 def run(args) -> int:

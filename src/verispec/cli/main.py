@@ -1,4 +1,4 @@
-"""`verispec` command line: generate, chat, serve, models, bench, verify, profile, loadtest."""
+"""`verispec` command line: generate, chat, serve, models, bench, verify, profile, loadtest, train-head."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from verispec.errors import VerispecError
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verispec.cli import bench, chat, generate, loadtest, models, profile, serve, verify
+    from verispec.cli import bench, chat, generate, loadtest, models, profile, serve, train_head, verify
 
     parser = argparse.ArgumentParser(
         prog="verispec",
@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_parser(sub)
     verify.add_parser(sub)
     profile.add_parser(sub)
+    train_head.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

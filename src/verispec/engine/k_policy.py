@@ -38,7 +38,7 @@ PRIOR_SLOPE = 0.35        # unmeasured c_p(n) ≈ c_p(m) + slope · c_p(1) · (n
 # Acceptance before anything is measured, by source; prompt lookup by match length (ngram.py): the
 # first-token rates measured on the bundled suite, greedy — 0.21 / 0.50 / 0.70 after 1 / 2 / 3+ tokens.
 # Longer matches (copied text) start higher; each bucket then learns its own rate.
-PRIOR_RATE = {"draft": 0.7, "ngram": 0.5}
+PRIOR_RATE = {"draft": 0.7, "ngram": 0.5, "head": 0.5}
 LOOKUP_PRIOR_RATE = {"1": 0.2, "2": 0.5, "3": 0.7, "4-7": 0.75, "8-15": 0.8, "16+": 0.85}   # "ngram:<bucket>"
 K_MAX = ROW_EXACT_MAX_T - 1   # the widest lookahead: a verify pass must stay row-exact (a long copied match)
 PROBE_EVERY = 16          # after this many K = 0 rounds, try K = 1 once to refresh the estimate …
@@ -47,7 +47,7 @@ SHARED_EMA = 0.05         # weight of one sequence's round in the shared (cross-
 # Fixed costs (in units of c_p(1)) for seeded sampled requests: their K schedule — and with it the
 # sample a seed produces — must not depend on timings. Close to the int8 profile in PERFORMANCE.md.
 STATIC_SLOPE = 0.2
-STATIC_C_Q = {"draft": 0.4}
+STATIC_C_Q = {"draft": 0.4, "head": 0.03}
 CATCHUP_PRIOR = 0.2       # unmeasured catch-up cost per token, as a fraction of the proposer's c_q
 STATIC_CATCHUP = {"draft": 0.1}
 

@@ -80,7 +80,7 @@ class LLM:
                  k: int | str = "auto", dtype: str = "auto", device: str = "cpu", max_batch: int = 32,
                  progress: bool = False, ngram_n: tuple[int, int] = (3, 1), k_max: int = K_MAX,
                  corpus: Seq[str | os.PathLike] | Seq[list[int]] | None = None, draft_vocab: int = 0,
-                 kv_dtype: str = "auto"):
+                 kv_dtype: str = "auto", head: str | os.PathLike | None = None):
         if proposer is not None and proposer not in REGISTRY:
             raise VerispecError(f"unknown proposer {proposer!r}; choose one of {', '.join(sorted(REGISTRY))}")
         if k != "auto" and (not isinstance(k, int) or not 0 <= k <= K_MAX):
@@ -103,6 +103,10 @@ class LLM:
         self.proposer_name = proposer
         self.draft_vocab = self._draft_vocab(draft_vocab)
         self.corpus_index = self._build_index(corpus) if proposer == "retrieval" else None
+        self.heads = self._load_heads(head) if proposer == "head" else None
+        if self.heads is not None:          # one head per drafted position
+            k_max = min(k_max, self.heads.num_heads)
+            k = k if not isinstance(k, int) else min(k, self.heads.num_heads)
         self.k = k if proposer != "none" else 0
         self._k_max = k_max
         self._width_seed: dict[int, float] | None = None     # this machine's calibrated costs (K = auto)
@@ -170,8 +174,21 @@ class LLM:
 
         return frequent_tokens(self.tokenizer, n, vocab)
 
+    def _load_heads(self, path) -> "MedusaHeads":
+        """The drafting heads (heads/medusa.py): `path`, else the ones shipped for this target."""
+        from verispec.heads import load_heads
+        from verispec.heads.medusa import shipped_heads
+
+        path = path if path is not None else shipped_heads(self.target.name)
+        if path is None:
+            raise VerispecError(f"no drafting heads ship for {self.target.name}: pass head=FILE (--head FILE); "
+                                "`verispec train-head --model MODEL --out FILE` trains them")
+        return load_heads(path, self.target.config.hidden_size, self.target.config.vocab_size)
+
     def make_proposer(self) -> Proposer:
         factory = REGISTRY[self.proposer_name]
+        if self.proposer_name == "head":
+            return factory(self.heads, self.target.model)
         if self.proposer_name == "draft":
             return factory(self.draft.model, self.target.config.vocab_size, self.draft_vocab)
         if self.proposer_name == "hybrid":

@@ -29,6 +29,9 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""                  # generated text so far (truncated at a stop string)
     streamed: int = 0               # characters of `text` already handed to a stream
+    # The target's final-normed state at the row that scored the pending token, (C,): what drafting
+    # heads read (set by the round when the proposer asks for it; None before the first round).
+    pending_state: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

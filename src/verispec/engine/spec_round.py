@@ -42,7 +42,8 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
         chunk = s.tokens[target.length(s.slot):] + proposal.tokens[b, : num_draft[b]].tolist()
         chunks.append(chunk)
         rows.append(list(range(len(chunk) - num_draft[b] - 1, len(chunk))))
-    logits = target.forward([s.slot for s in seqs], chunks, rows)                # (B, K+1, V)
+    out = target.forward([s.slot for s in seqs], chunks, rows, states=proposer.wants_states)
+    logits, states = out if proposer.wants_states else (out, None)              # (B, K+1, V), (B, K+1, C)
     t2 = time.perf_counter()
     _check_finite(logits, proposal)
 
@@ -60,6 +61,8 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
             if s.append(token):
                 break
         target.cache.set_length(s.slot, len(s.tokens) - 1)
+        if states is not None:                  # row n scored the new pending token
+            s.pending_state = states[b, n].clone()
         verified = min(n + 1, num_draft[b])
         overlaps = result.overlap[b, :verified].tolist() if result.overlap is not None else []
         s.metrics.record_round(num_draft[b], n, appended, overlaps)

@@ -29,11 +29,13 @@ class ModelRunner:
         return lambda model: cls(model, num_slots, max_len)
 
     def forward(self, slots: list[int], chunks: list[list[int]], rows: list[list[int]] | None,
-                vocab: torch.Tensor | None = None) -> torch.Tensor | None:
+                vocab: torch.Tensor | None = None, states: bool = False):
         """Feed chunks[b] at positions length(slot_b) … and return logits at rows[b] (indices into
         the chunk), shape (B, R, V) with R = max len(rows[b]) (short rows repeat their last index).
 
         vocab: logits for these token ids only, (B, R, N) (a truncated draft vocabulary).
+        states: return (logits, h) with h the final-normed states those logits came from, (B, R, C)
+        (what drafting heads read).
         Chunks are right-padded; padding writes only beyond each sequence's real tokens, which the
         next pass overwrites and no real query can see. Does not move the length pointers.
         """
@@ -50,7 +52,9 @@ class ModelRunner:
             return None
         r = max(len(x) for x in rows)
         idx = torch.tensor([x + [x[-1]] * (r - len(x)) for x in rows], dtype=torch.long, device=device)
-        return self.model.logits(hidden, idx, vocab)                              # (B, R, V or N)
+        h = self.model.final_states(hidden, idx)                                   # (B, R, C)
+        logits = self.model.project(h, vocab)                                      # (B, R, V or N)
+        return (logits, h) if states else logits
 
     def extend(self, slots: list[int], token_lists: list[list[int]], chunk: int = 512) -> None:
         """Catch up: write token_lists[b][length(slot_b):-1], whatever each slot has not cached yet, in

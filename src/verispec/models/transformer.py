@@ -209,8 +209,17 @@ class Transformer(nn.Module):
         The final norm and LM head run only on the gathered rows: a verify pass asks for K+1,
         a decode step for 1, a prefill for the last prompt token.
         """
+        return self.project(self.final_states(hidden, rows), vocab)
+
+    @torch.inference_mode()
+    def final_states(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """hidden (B, T, C), rows (B, R) -> the final-normed states the LM head reads, (B, R, C)."""
         idx = rows[..., None].expand(-1, -1, hidden.shape[-1])                 # (B, R, C)
-        h = self.model.norm(torch.gather(hidden, 1, idx))
+        return self.model.norm(torch.gather(hidden, 1, idx))
+
+    @torch.inference_mode()
+    def project(self, h: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed states (..., C) -> float32 logits (..., V), or (..., N) over `vocab` only."""
         head = self.lm_head if vocab is None else self._head_for(vocab)
         return head(h).float()
 

@@ -27,6 +27,8 @@ class Proposer(ABC):
     """propose for a batch → tokens (+ optional q); hear back how many were accepted; reset."""
 
     name: str = "?"
+    wants_states: bool = False      # True: the round keeps the target's state for the pending token
+                                    # on each sequence (Sequence.pending_state), as heads need
 
     def source_for(self, seq: "Sequence") -> str:
         """Which proposer would draft for this sequence next (a hybrid picks per sequence)."""

@@ -15,38 +15,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sysconfig
 from collections import Counter
-from importlib import resources
-from pathlib import Path
 
 import torch
 
 from verispec.cache import cache_dir, write_json
+from verispec.text_collection import bundled_prompts, stdlib_sources
 
 COLLECTION_BYTES = 4 << 20        # how much of the standard library to count (sources in sorted order)
 
 
 def collection() -> list[str]:
     """The texts counted: the bundled prompts, then standard-library sources up to COLLECTION_BYTES."""
-    texts = []
-    for line in resources.files("verispec.data").joinpath("prompts.jsonl").read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            texts.append(rec.get("prompt") or " ".join(m["content"] for m in rec["messages"]))
-    used = 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        if "test" in path.parts or "site-packages" in path.parts:
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        texts.append(text)
-        used += len(text)
-        if used >= COLLECTION_BYTES:
-            break
-    return texts
+    return bundled_prompts() + list(stdlib_sources(COLLECTION_BYTES))
 
 
 def frequent_tokens(tokenizer, n: int, vocab_size: int) -> torch.Tensor:

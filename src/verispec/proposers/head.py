@@ -1,0 +1,59 @@
+"""`head`: Medusa heads on the target's own state draft the next tokens (heads/medusa.py).
+
+The round keeps, for each sequence, the target's final-normed state at the row that scored its
+pending token (`Sequence.pending_state`). Head i turns it into a guess at the token i places after
+the pending one, scored by the target's LM head over the heads' N-token vocabulary: H drafts for H
+small products and one LM-head pass over H rows, no model of its own and no cache to roll back.
+A sequence's first round (right after its prefill) has no state yet and drafts nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from verispec.heads.medusa import MedusaHeads
+from verispec.models import Transformer
+from verispec.proposers.base import Proposal, Proposer, register
+from verispec.sampling import sample_from, warp_probs
+
+
+@register("head")
+class HeadProposer(Proposer):
+    wants_states = True
+
+    def __init__(self, heads: MedusaHeads, target: Transformer):
+        self.heads = heads
+        self.target = target
+        self.vocab = heads.vocab                                     # (N,) token ids
+        self.vocab_size = target.config.vocab_size
+
+    @property
+    def max_k(self) -> int:
+        return self.heads.num_heads
+
+    @torch.inference_mode()
+    def propose(self, seqs, ks):
+        t0 = time.perf_counter()
+        b = len(seqs)
+        ks = [min(k, self.heads.num_heads) if s.pending_state is not None else 0 for s, k in zip(seqs, ks)]
+        k_max = max(ks, default=0)
+        tokens = torch.zeros(b, k_max, dtype=torch.long)
+        q = torch.zeros(b, k_max, self.vocab_size)
+        if k_max == 0:
+            return Proposal(tokens, torch.tensor(ks), q, steps={self.name: (0, 0.0)})
+        active = [j for j in range(b) if ks[j]]
+        h = torch.stack([seqs[j].pending_state for j in active]).float()           # (A, C)
+        g = self.heads(h)[:, :k_max]                                               # (A, K, C)
+        logits = self.target.project(g.to(self.target.dtype), self.vocab)          # (A, K, N)
+        for row, j in enumerate(active):
+            s, k = seqs[j], ks[j]
+            if s.params.greedy:                 # greedy acceptance compares tokens only; q stays unused
+                tokens[j, :k] = self.vocab[logits[row, :k].argmax(-1)]
+                continue
+            probs = warp_probs(logits[row, :k][None], torch.tensor([s.params.temperature]),
+                               torch.tensor([s.params.top_k]), torch.tensor([s.params.top_p]))[0]   # (k, N)
+            tokens[j, :k] = self.vocab[sample_from(probs, [s.generator] * k)]
+            q[j, :k, self.vocab] = probs        # zero off the heads' vocabulary
+        return Proposal(tokens, torch.tensor(ks), q, steps={self.name: (k_max, time.perf_counter() - t0)})
