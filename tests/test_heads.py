@@ -176,3 +176,18 @@ def test_train_head_refuses_eagle_and_absurd_budgets(capsys):
     assert "not built yet" in capsys.readouterr().err
     assert main(["train-head", "--heads", "0", "--out", "x.safetensors"]) == 2
     assert main(["train-head", "--minutes", "-1", "--out", "x.safetensors"]) == 2
+
+
+def test_hybrid_with_heads_copies_by_lookup_and_drafts_new_text_with_the_heads(trained):
+    """`hybrid` + a heads file: lookup where the suffix repeats, the heads elsewhere, no draft model."""
+    target, path, *_ = trained
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    plain = LLM(target, proposer="none").generate([prompt], greedy)[0].token_ids
+    llm = LLM(target, proposer="hybrid", head=path, k=3)
+    assert llm.draft is None
+    out = llm.generate([prompt], greedy)[0]
+    assert out.token_ids == plain
+    assert set(out.spec["rounds_by_source"]) <= {"ngram", "head"} and "head" in out.spec["rounds_by_source"]
+    with pytest.raises(VerispecError, match="head or hybrid"):
+        LLM(target, proposer="ngram", head=path)

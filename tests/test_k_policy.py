@@ -333,3 +333,23 @@ def test_draft_step_ratio_is_measured_once(tmp_path, monkeypatch):
     assert ratio > 0
     monkeypatch.setattr(calibrate, "pass_cost", lambda *a, **k: pytest.fail("measured twice"))
     assert calibrate.draft_step_ratio(tiny_model(0), tiny_model(1, num_layers=1), "tiny pair") == ratio
+
+
+def test_a_source_limited_to_h_drafts_is_never_given_more():
+    """Medusa heads draft one token per head: with 3 heads, auto never asks for K > 3, even when every
+    draft is accepted (the usual rule would try K + 1 after a fully accepted round)."""
+    policy = KPolicy("auto", 16)
+    policy.limit("head", 3)
+    policy.costs.seed({n: 1.0 + 0.02 * (n - 1) for n in range(1, 66)})
+    for _ in range(20):
+        k = policy.choose(1, "head", remaining=100)
+        assert k <= 3
+        policy.observe(1, "head", k, k)
+    assert k == 3
+    free = KPolicy("auto", 16)                                      # without the limit it would go on
+    free.costs.seed({n: 1.0 + 0.02 * (n - 1) for n in range(1, 66)})
+    ks = []
+    for _ in range(20):
+        ks.append(free.choose(1, "head", remaining=100))
+        free.observe(1, "head", ks[-1], ks[-1])
+    assert max(ks) > 3

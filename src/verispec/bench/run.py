@@ -23,10 +23,20 @@ from verispec.engine.loading import LoadedModel
 class Mode:
     proposer: str        # "none" | a registered proposer
     k: int | str         # an integer, or "auto"
+    fallback: str = ""   # "head": hybrid falls back on the heads instead of the draft model ("hybrid+head")
 
     @property
     def label(self) -> str:
-        return "plain" if self.proposer == "none" else f"{self.proposer} k={self.k}"
+        name = f"{self.proposer}+{self.fallback}" if self.fallback else self.proposer
+        return "plain" if self.proposer == "none" else f"{name} k={self.k}"
+
+    @property
+    def needs_draft(self) -> bool:
+        return self.proposer in ("draft", "hybrid") and self.fallback != "head"
+
+    @property
+    def needs_heads(self) -> bool:
+        return self.proposer == "head" or self.fallback == "head"
 
 
 def parse_modes(modes: list[str], ks: list[int | str]) -> list[Mode]:
@@ -34,7 +44,12 @@ def parse_modes(modes: list[str], ks: list[int | str]) -> list[Mode]:
     for m in modes:
         if m in ("plain", "none"):
             continue
-        out += [Mode(m, k) for k in ks]
+        proposer, _, fallback = m.partition("+")
+        if fallback and (proposer, fallback) != ("hybrid", "head"):
+            from verispec.errors import VerispecError
+
+            raise VerispecError(f"unknown mode {m!r}: the one combined mode is hybrid+head")
+        out += [Mode(proposer, k, fallback) for k in ks]
     return out
 
 
@@ -45,9 +60,13 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
     """peers: HFPeer-like modes (bench/peers.py) run on the same prompts, interleaved, batch size 1.
     progress: True (a line on stderr), False, or a callable (done, total, description).
     draft_vocab: the draft modes' truncated vocabulary (0 = full); kv_dtype: every mode's KV cache format."""
-    llms = {m: LLM(target, draft=draft if m.proposer in ("draft", "hybrid") else None, proposer=m.proposer, k=m.k,
-                   draft_vocab=draft_vocab if m.proposer in ("draft", "hybrid") else 0, kv_dtype=kv_dtype,
-                   head=head if m.proposer == "head" else None)
+    if head is None and any(m.needs_heads for m in modes):
+        from verispec.heads.medusa import shipped_heads
+
+        head = shipped_heads(target.name)
+    llms = {m: LLM(target, draft=draft if m.needs_draft else None, proposer=m.proposer, k=m.k,
+                   draft_vocab=draft_vocab if m.needs_draft else 0, kv_dtype=kv_dtype,
+                   head=head if m.needs_heads else None)
             for m in modes}
     plain_llm = llms[modes[0]]
     texts = [p.render(plain_llm) for p in prompts]

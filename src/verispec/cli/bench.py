@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="use a random subset of N prompts (seeded)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     p.add_argument("--modes", default="draft,ngram", help="comma-separated proposers besides plain: draft, ngram, "
-                   "hybrid (default draft,ngram); each runs at every --ks value")
+                   "hybrid, head, hybrid+head (lookup, else the heads) (default draft,ngram); each runs at every "
+                   "--ks value")
     p.add_argument("--ks", default="4", help="comma-separated K values, integers or 'auto' (default 4)")
     p.add_argument("--temperatures", default="0", help="comma-separated temperatures (default 0)")
     p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (default 1)")
@@ -69,7 +70,7 @@ def run(args) -> int:
     prompts = load_suite(args.prompts, args.limit)
     target = load_model(args.model, args.dtype, args.device, progress=True)
     draft = None
-    if any(m.proposer in ("draft", "hybrid") for m in modes):
+    if any(m.needs_draft for m in modes):
         draft = load_model(args.draft or DEFAULT_DRAFT, args.dtype, args.device, progress=True)
     peers = []
     if "hf" in args.peer:

@@ -220,14 +220,20 @@ class AcceptanceEstimate:
     probe_every: int = PROBE_EVERY
     probing: bool = False     # the last K > 0 was a probe
     regime: str = "greedy"    # greedy | sampled: which shared prior this sequence feeds
+    cap: int | None = None    # the source drafts at most this many tokens: later positions stay 0
 
     def __post_init__(self):
         self.seen = self.seen or [0] * len(self.rates)
+        self._apply_cap()
+
+    def _apply_cap(self) -> None:
+        if self.cap is not None:
+            self.rates[self.cap:] = [0.0] * len(self.rates[self.cap:])
 
     @classmethod
     def prior(cls, source: str, k_max: int, shared: list[float] | None = None,
-              regime: str = "greedy") -> "AcceptanceEstimate":
-        return cls(list(shared) if shared else [prior_rate(source)] * k_max, regime=regime)
+              regime: str = "greedy", cap: int | None = None) -> "AcceptanceEstimate":
+        return cls(list(shared) if shared else [prior_rate(source)] * k_max, regime=regime, cap=cap)
 
     def update(self, proposed: int, accepted: int) -> None:
         """Positions 0 … min(accepted, proposed−1) were reached; those < accepted were accepted.
@@ -246,6 +252,7 @@ class AcceptanceEstimate:
         self.reached = max(self.reached, depth)
         for i in range(self.reached, len(self.rates)):
             self.rates[i] = self.rates[self.reached - 1]
+        self._apply_cap()
 
     def track(self, k: int, may_probe: bool = True) -> int:
         """Record the chosen K; after probe_every rounds of K = 0 return 1 instead (a probe, when
@@ -274,6 +281,12 @@ class KPolicy:
         # Per (source, regime): acceptance rates by position pooled over past sequences; a new
         # sequence starts from them rather than from a fixed guess (short requests learn little).
         self.shared: dict[tuple[str, str], list[float]] = {}
+        self.source_k_max: dict[str, int] = {}
+
+    def limit(self, source: str, k_max: int) -> None:
+        """This source never drafts more than k_max tokens (Medusa heads: one per head): positions past
+        it count as never accepted, so `auto` never pays for drafts that cannot come."""
+        self.source_k_max[source] = k_max
 
     def choose(self, slot: int, source: str, remaining: int, batch: int = 1, reproducible: bool = False,
                greedy: bool = True, backlog: int = 0) -> int:
@@ -312,7 +325,8 @@ class KPolicy:
         if est is None:
             regime = "greedy" if greedy else "sampled"
             shared = self.shared.get((source, regime)) if use_shared else None
-            est = self.estimates[(slot, source)] = AcceptanceEstimate.prior(source, self.k_max, shared, regime)
+            est = self.estimates[(slot, source)] = AcceptanceEstimate.prior(
+                source, self.k_max, shared, regime, self.source_k_max.get(source.split(":")[0]))
         return est
 
     def choose_round(self, seqs: list, sources: list[str], batch: int | None = None,

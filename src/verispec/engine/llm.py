@@ -97,14 +97,17 @@ class LLM:
         if proposer is None:            # measured best on a 2-core CPU: prompt lookup with k="auto"
             proposer = "draft" if draft is not None else "ngram"
         self.draft: LoadedModel | None = None
-        if proposer in NEEDS_DRAFT:
+        if head is not None and proposer not in ("head", "hybrid"):
+            raise VerispecError(f"a heads file drafts for --proposer head or hybrid, not {proposer}")
+        heads_fallback = proposer == "hybrid" and head is not None     # lookup, else the heads
+        if proposer in NEEDS_DRAFT and not heads_fallback:
             self.draft = _load(draft if draft is not None else DEFAULT_DRAFT, dtype, device, progress)
             check_vocab_compatible(self.target, self.draft)
         self.proposer_name = proposer
         self.draft_vocab = self._draft_vocab(draft_vocab)
         self.corpus_index = self._build_index(corpus) if proposer == "retrieval" else None
-        self.heads = self._load_heads(head) if proposer == "head" else None
-        if self.heads is not None:          # one head per drafted position
+        self.heads = self._load_heads(head) if proposer == "head" or heads_fallback else None
+        if proposer == "head":              # one head per drafted position
             k_max = min(k_max, self.heads.num_heads)
             k = k if not isinstance(k, int) else min(k, self.heads.num_heads)
         self.k = k if proposer != "none" else 0
@@ -132,6 +135,8 @@ class LLM:
             policy.costs.seed(self._width_seed)
         if self._draft_seed is not None:
             policy.costs.seed_propose("draft", self._draft_seed)
+        if self.heads is not None:
+            policy.limit("head", self.heads.num_heads)
         return policy
 
     @staticmethod
@@ -191,6 +196,9 @@ class LLM:
             return factory(self.heads, self.target.model)
         if self.proposer_name == "draft":
             return factory(self.draft.model, self.target.config.vocab_size, self.draft_vocab)
+        if self.proposer_name == "hybrid" and self.heads is not None:
+            return factory(REGISTRY["head"](self.heads, self.target.model), self.target.config.vocab_size,
+                           *self._ngram_n, k_max=self.policy.k_max)
         if self.proposer_name == "hybrid":
             return factory(self.draft.model, self.target.config.vocab_size, *self._ngram_n, k_max=self.policy.k_max,
                            vocab=self.draft_vocab)

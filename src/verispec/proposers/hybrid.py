@@ -1,6 +1,7 @@
-"""`hybrid`: prompt lookup when the current suffix has a match, the draft model otherwise —
-decided per sequence and per round. Lookup rows are point masses (q = one-hot), which is exactly
-the point-mass acceptance rule, so one acceptance call serves a mixed batch."""
+"""`hybrid`: prompt lookup when the current suffix has a match, another proposer otherwise (the
+draft model, or Medusa heads when a heads file is given) — decided per sequence and per round.
+Lookup rows are point masses (q = one-hot), which is exactly the point-mass acceptance rule, so one
+acceptance call serves a mixed batch."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ from verispec.proposers.ngram import Lookups, match_source
 
 @register("hybrid")
 class HybridProposer(Proposer):
-    def __init__(self, draft: Transformer, target_vocab: int, n_max: int = 3, n_min: int = 1, k_max: int = 64,
-                 vocab: torch.Tensor | None = None):
-        self.draft = DraftModelProposer(draft, target_vocab, vocab)
+    def __init__(self, draft: Transformer | Proposer, target_vocab: int, n_max: int = 3, n_min: int = 1,
+                 k_max: int = 64, vocab: torch.Tensor | None = None):
+        """draft: the draft model (with its truncated vocabulary `vocab`), or a ready proposer to fall
+        back on (HeadProposer)."""
+        self.draft = draft if isinstance(draft, Proposer) else DraftModelProposer(draft, target_vocab, vocab)
+        self.fallback = self.draft.name
+        self.wants_states = self.draft.wants_states
         self.target_vocab = target_vocab
         self.lookups = Lookups(n_max, n_min, k_max)
 
@@ -26,12 +31,12 @@ class HybridProposer(Proposer):
         return self.lookups.find(seq)
 
     def source_for(self, seq) -> str:
-        """'ngram:<match length>' when the suffix has a match (see ngram.py), else 'draft'."""
+        """'ngram:<match length>' when the suffix has a match (see ngram.py), else the fallback's name."""
         n, found = self._lookup(seq)
-        return match_source(n) if found else "draft"
+        return match_source(n) if found else self.fallback
 
     def backlog(self, seq) -> int:
-        return self.draft.backlog(seq) if self.source_for(seq) == "draft" else 0
+        return self.draft.backlog(seq) if self.source_for(seq) == self.fallback else 0
 
     def start(self, make_runner):
         self.draft.start(make_runner)
@@ -41,9 +46,9 @@ class HybridProposer(Proposer):
         b = len(seqs)
         matches = [self._lookup(s) for s in seqs]
         found = [cont[:k] for (_, cont), k in zip(matches, ks)]
-        sources = [match_source(n) if cont else "draft" for n, cont in matches]
+        sources = [match_source(n) if cont else self.fallback for n, cont in matches]
         t1 = time.perf_counter()
-        draft_ks = [k if src == "draft" else 0 for k, src in zip(ks, sources)]
+        draft_ks = [k if src == self.fallback else 0 for k, src in zip(ks, sources)]
         from_draft = self.draft.propose(seqs, draft_ks)
         k_max = max([len(f) for f in found] + [from_draft.tokens.shape[1]])
         tokens = torch.zeros(b, k_max, dtype=torch.long)
@@ -51,7 +56,7 @@ class HybridProposer(Proposer):
         num = torch.zeros(b, dtype=torch.long)
         kd = from_draft.tokens.shape[1]
         for i, src in enumerate(sources):
-            if src != "draft":
+            if src != self.fallback:
                 n = len(found[i])
                 tokens[i, :n] = torch.tensor(found[i], dtype=torch.long)
                 q[i, torch.arange(n), tokens[i, :n]] = 1.0          # point mass
@@ -60,9 +65,9 @@ class HybridProposer(Proposer):
                 tokens[i, :kd] = from_draft.tokens[i]
                 q[i, :kd] = from_draft.q[i]
                 num[i] = from_draft.num_draft[i]
-        steps = {src: (1, t1 - t0) for src in set(sources) if src != "draft"}
+        steps = {src: (1, t1 - t0) for src in set(sources) if src != self.fallback}
         if max(draft_ks, default=0):
-            steps["draft"] = from_draft.steps["draft"]          # drafting time without the catch-up
+            steps[self.fallback] = from_draft.steps[self.fallback]   # drafting time without the catch-up
         return Proposal(tokens, num, q, sources, steps, from_draft.catchup)
 
     def observe(self, seqs, num_accepted):
