@@ -108,6 +108,9 @@ def test_greedy_speculative_equals_plain_on_the_real_pair(real_pair):
     assert sum(o.spec["accepted"] for o in batched) > 0
     ngram = LLM(target, proposer="ngram", k=4).generate(CODE_PROMPTS, params)
     assert [o.token_ids for o in ngram] == [o.token_ids for o in plain]
+    heads = LLM(target, proposer="head", k=3).generate(CODE_PROMPTS, params)     # the shipped heads
+    assert [o.token_ids for o in heads] == [o.token_ids for o in plain]
+    assert sum(o.spec["accepted"] for o in heads) > 0
 
 
 @pytest.mark.real
@@ -122,7 +125,11 @@ def test_greedy_speculative_equals_plain_on_the_native_pass(fmt):
     params = SamplingParams(temperature=0, max_tokens=24)
     plain = [o.token_ids for o in LLM(target, proposer="none").generate(CODE_PROMPTS, params)]
     assert target.model._native is not None or not kernels.available()
-    for llm in (LLM(target, draft=draft, proposer="draft", k=4), LLM(target, proposer="ngram", k=6)):
+    from verispec.heads.medusa import shipped_heads
+
+    for llm in (LLM(target, draft=draft, proposer="draft", k=4), LLM(target, proposer="ngram", k=6),
+                LLM(target, proposer="head", k=4),
+                LLM(target, proposer="hybrid", head=shipped_heads(target.name), k="auto")):
         assert [o.token_ids for o in llm.generate(CODE_PROMPTS, params)] == plain
 
 

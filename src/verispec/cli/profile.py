@@ -55,6 +55,13 @@ def run(args) -> int:
 
         vocab = frequent_tokens(draft.tokenizer, args.draft_vocab, draft.config.vocab_size)
         c_q[f"draft/{args.draft_vocab}"] = pass_cost(draft.model, 1, args.context, vocab=vocab, kv_dtype=kv)
+    heads_path = args.head
+    if heads_path is None:
+        from verispec.heads.medusa import shipped_heads
+
+        heads_path = shipped_heads(target.name)
+    if heads_path is not None:
+        c_q["head"] = _head_cost(target, heads_path)
     tokens = list(range(50)) * (args.context // 50 + 1)
     t = time.perf_counter()
     for _ in range(100):
@@ -79,3 +86,30 @@ def run(args) -> int:
             json.dump({"c_p": c_p, "c_q": c_q, "alphas": alphas, "predicted": curves, "dtype": args.dtype,
                        "environment": machine()}, f, indent=1)
     return 0
+
+
+def _head_cost(target, path, repeats: int = 30) -> float:
+    """Seconds per drafted token of the Medusa heads: one propose step of all H heads (the residual
+    blocks and the LM head over their vocabulary), divided by H; the median of `repeats`."""
+    import statistics
+
+    import torch
+
+    from verispec.heads import load_heads
+    from verispec.proposers.head import HeadProposer
+
+    from verispec.engine.params import SamplingParams
+    from verispec.engine.sequence import Sequence
+    from verispec.engine.metrics import SpecMetrics
+
+    heads = load_heads(path, target.config.hidden_size, target.config.vocab_size)
+    proposer = HeadProposer(heads, target.model)
+    seq = Sequence(0, [1, 2, 3], SamplingParams(temperature=0, max_tokens=8), None, 1, frozenset(), None,
+                   SpecMetrics("head", "auto"))
+    seq.pending_state = torch.randn(target.config.hidden_size)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        proposer.propose([seq], [heads.num_heads])
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[3:]) / heads.num_heads

@@ -111,9 +111,7 @@ def load_heads(path: str | Path, hidden_size: int, vocab_size: int) -> MedusaHea
 
 def shipped_heads(target_name: str) -> Path | None:
     """The heads file that ships with the package for a built-in target, if there is one."""
-    from importlib import resources
-
-    path = Path(str(resources.files("verispec.data"))) / "heads" / f"{target_name}.medusa.safetensors"
+    path = Path(__file__).resolve().parent.parent / "data" / "heads" / f"{target_name}.medusa.safetensors"
     return path if path.is_file() else None
 
 

@@ -159,7 +159,7 @@ class Transformer(nn.Module):
         self.native_pass = True
         self._native: NativeDecoder | None = None
         self._native_key: tuple | None = None                                  # the weights it was built for
-        self._sub_head: tuple | None = None                                    # (key, LM head over a draft vocabulary)
+        self._sub_heads: dict[tuple, nn.Module] = {}                           # LM heads over truncated vocabularies
         # load_state_dict takes checkpoint names (q_proj, …) as well as fused ones.
         self.register_load_state_dict_pre_hook(lambda module, state, prefix, *_: fuse_projections(state, prefix))
 
@@ -225,10 +225,13 @@ class Transformer(nn.Module):
 
     def _head_for(self, vocab: torch.Tensor) -> nn.Module:
         """The LM head restricted to the rows in vocab (built once per vocabulary)."""
-        key = (vocab.data_ptr(), vocab.numel(), id(self.lm_head))
-        if self._sub_head is None or self._sub_head[0] != key:
-            self._sub_head = (key, _select_rows(self.lm_head, vocab))
-        return self._sub_head[1]
+        key = (hash(vocab.numpy().tobytes()), vocab.numel(), id(self.lm_head))   # by content: engines share it
+        head = self._sub_heads.get(key)
+        if head is None:
+            if len(self._sub_heads) >= 4:                                       # a few vocabularies at most
+                self._sub_heads.pop(next(iter(self._sub_heads)))
+            head = self._sub_heads[key] = _select_rows(self.lm_head, vocab)
+        return head
 
 
 def _select_rows(head: nn.Module, vocab: torch.Tensor) -> nn.Module:
