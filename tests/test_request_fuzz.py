@@ -20,12 +20,9 @@ import time
 import httpx
 import pytest
 
-from conftest import tiny_text_model
-from verispec import LLM
 
 pytest.importorskip("uvicorn")
-from test_server import LiveServer  # noqa: E402
-from verispec.serving.api import ServerConfig, create_app  # noqa: E402
+from test_server import tiny_live_server  # noqa: E402
 
 REQUESTS = 400               # in CI: about half a minute
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stop",
@@ -158,13 +155,7 @@ def greedy(url: str, model: str = "tiny") -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    llm = LLM(tiny_text_model(0), proposer="ngram", k="auto")
-    engine = llm.engine(kv_budget_mb=8, block_size=8, max_running=8)
-    live = LiveServer(create_app(ServerConfig("tiny"), lambda: engine))
-    live.wait_ready()
-    live.engine = engine
-    yield live
-    live.stop()
+    yield from tiny_live_server()
 
 
 def test_a_storm_of_hostile_requests_gets_no_5xx_and_leaves_the_server_as_it_was(server):

@@ -415,3 +415,15 @@ def test_loadtest_alternates_configurations_within_each_level(monkeypatch):
     assert [(r["server"], r["requests"]) for r in rows] == [("A", 5), ("B", 5)]
     text = loadtest._ratios(rows, ["A", "B"])
     assert "'B' at concurrency 4: throughput 0.50x, TTFT p99 2.00x" in text
+
+
+def tiny_live_server():
+    """A live server over a tiny model with a small paged cache (a fixture body: `yield from`); the
+    engine rides on the server object for tests that inspect its blocks."""
+    llm = LLM(tiny_text_model(0), proposer="ngram", k="auto")
+    engine = llm.engine(kv_budget_mb=8, block_size=8, max_running=8)
+    live = LiveServer(create_app(ServerConfig("tiny"), lambda: engine))
+    live.wait_ready()
+    live.engine = engine
+    yield live
+    live.stop()

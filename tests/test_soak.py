@@ -10,26 +10,18 @@ import sys
 
 import pytest
 
-from conftest import tiny_text_model, write_chat_model_dir
-from verispec import LLM
+from conftest import write_chat_model_dir
 
 pytest.importorskip("uvicorn")
-from test_server import LiveServer  # noqa: E402
+from test_server import tiny_live_server  # noqa: E402
 from verispec.bench.soak import soak  # noqa: E402
-from verispec.serving.api import ServerConfig, create_app  # noqa: E402
 
 PROMPTS = [[{"role": "user", "content": text}] for text in ("sort a list", "hello there", "def f(x):", "why?")]
 
 
 @pytest.fixture
 def server():
-    llm = LLM(tiny_text_model(0), proposer="ngram", k="auto")
-    engine = llm.engine(kv_budget_mb=8, block_size=8, max_running=8)
-    live = LiveServer(create_app(ServerConfig("tiny"), lambda: engine))
-    live.wait_ready()
-    live.engine = engine
-    yield live
-    live.stop()
+    yield from tiny_live_server()
 
 
 def test_a_short_soak_loses_and_garbles_nothing_and_leaves_no_blocks_held(server):
