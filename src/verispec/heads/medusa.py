@@ -94,9 +94,9 @@ def load_heads(path: str | Path, hidden_size: int, vocab_size: int) -> MedusaHea
     except OSError as exc:
         raise InvalidModelFile(path, f"cannot be read ({exc.strerror or exc})") from None
     if not weight.is_floating_point() or not bias.is_floating_point() or vocab.dtype != torch.int64:
-        raise InvalidModelFile(path, f"weight and bias must be floating point and vocab int64")
+        raise InvalidModelFile(path, "weight and bias must be floating point and vocab int64")
     if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
-        raise InvalidModelFile(path, f"weight or bias holds NaN or infinite values")
+        raise InvalidModelFile(path, "weight or bias holds NaN or infinite values")
     if vocab.numel() and (int(vocab.min()) < 0 or int(vocab.max()) >= vocab_size
                           or not bool((vocab[1:] > vocab[:-1]).all())):
         raise InvalidModelFile(path, f"vocab must be distinct token ids in [0, {vocab_size}), sorted")
@@ -113,13 +113,3 @@ def shipped_heads(target_name: str) -> Path | None:
     """The heads file that ships with the package for a built-in target, if there is one."""
     path = Path(__file__).resolve().parent.parent / "data" / "heads" / f"{target_name}.medusa.safetensors"
     return path if path.is_file() else None
-
-
-def heldout_summary(meta: dict) -> str:
-    """The held-out acceptance recorded in a heads file, as one line ('' if none)."""
-    try:
-        held = json.loads(meta.get("heldout", "{}"))
-        chain = held.get("chain", [])
-        return "held-out acceptance by position " + " / ".join(f"{a:.2f}" for a in chain) if chain else ""
-    except (ValueError, AttributeError):
-        return ""

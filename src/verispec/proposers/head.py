@@ -29,10 +29,6 @@ class HeadProposer(Proposer):
         self.vocab = heads.vocab                                     # (N,) token ids
         self.vocab_size = target.config.vocab_size
 
-    @property
-    def max_k(self) -> int:
-        return self.heads.num_heads
-
     @torch.inference_mode()
     def propose(self, seqs, ks):
         t0 = time.perf_counter()
