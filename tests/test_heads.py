@@ -80,10 +80,7 @@ def test_head_proposer_without_heads_says_how_to_make_them():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Heads trained for a few seconds on a tiny model's own tokens over standard-library text."""
-    import os
-
     root = tmp_path_factory.mktemp("heads")
-    os.environ.setdefault("VERISPEC_CACHE", str(root))
     target = tiny_text_model(0)
     # text whose next token follows from the current one (cycles through 37 random bytes), so the
     # target's tokens two and more places ahead are learnable from its state — and the other half
@@ -170,12 +167,15 @@ def test_a_broken_head_proposer_changes_nothing_but_speed():
 
 
 def test_train_head_refuses_eagle_and_absurd_budgets(capsys):
+    from pathlib import Path
+
     from verispec.cli.main import main
 
     assert main(["train-head", "--kind", "eagle", "--out", "x.safetensors"]) == 2
     assert "not built yet" in capsys.readouterr().err
     assert main(["train-head", "--heads", "0", "--out", "x.safetensors"]) == 2
     assert main(["train-head", "--minutes", "-1", "--out", "x.safetensors"]) == 2
+    assert main(["train-head", "--out", str(Path(__file__).parent)]) == 2      # a directory, before any work
 
 
 def test_hybrid_with_heads_copies_by_lookup_and_drafts_new_text_with_the_heads(trained):

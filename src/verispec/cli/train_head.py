@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -64,6 +65,12 @@ def run(args) -> int:
         raise VerispecError(f"--heads must be 1 … {MAX_HEADS}, --tokens at least {WINDOW}, --minutes positive, "
                             "--vocab at least 2")
     out = Path(args.out)
+    try:                                    # fail now, not after the features and the training
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise VerispecError(f"cannot write {out}: {exc.strerror or exc}") from None
+    if not os.access(out.parent, os.W_OK) or out.is_dir():
+        raise VerispecError(f"cannot write {out}: not a writable file path")
     target = load_model(args.model, args.dtype, "cpu", progress=True)
     if target.tokenizer is None:
         raise VerispecError("training heads needs a model with a tokenizer")
