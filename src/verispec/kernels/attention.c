@@ -4,8 +4,10 @@
  *   keys and values through a kv_view (kernels.h): a static cache row or a paged sequence's blocks,
  *   read in place;
  *   pos (B, T) int64: row (b, t) sees keys 0 … pos[b, t];  out (R, H, D) contiguous (o_proj's input).
- * A work item is one row and one KV head with its G query heads, so each key and value row is read
- * once for all G heads (G independent FMA chains). Per head: scores in order over s, softmax (max,
+ * A work item is a run of rows of one batch row and one KV head with its G query heads: each tile of
+ * key and value rows is read from memory once for all those rows and heads (a verify pass over T rows
+ * at a long context reads the cache once, not T times), and each key row feeds G independent FMA
+ * chains. Per row and head: scores in order over s, softmax (max,
  * exp, sum in 8 lanes then across them), then Σ_s p_s · v_s in order — a fixed sequence of operations
  * that depends only on that row's query and prefix, never on how many rows share the pass or how the
  * cache is laid out, so a K+1 verify row equals a 1-token decode step bit for bit. The AVX-512 build
@@ -39,44 +41,48 @@ typedef __m256 vec;
 #define vload8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #endif
 
-/* G ≤ GMAX query rows qr[g] (each D floats) against keys 0 … p: w[g·SP + s] = scale · q_g · k_s
-   (int8 keys: k_s dequantized a vector at a time, k8 · its group's scale). */
-static inline __attribute__((always_inline)) void scores(const float *const *qr, const int G, const kv_view *kv,
-                                                         const int64_t *table, long kh, long p, long D,
-                                                         float scale, float *w, long SP) {
-    for (long s0 = 0; s0 <= p; s0 += kv->bs) {
-        long blk = table[s0 / kv->bs], n = p + 1 - s0 < kv->bs ? p + 1 - s0 : kv->bs;
-        const float *kb = (const float *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
-        const int8_t *kb8 = (const int8_t *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
-        const float *ksb = kv->ks ? kv->ks + blk * kv->sc_blk_stride + kh * kv->sc_head_stride : NULL;
-        for (long j = 0; j < n; j++) {
-            vec acc[GMAX];
-            for (int g = 0; g < G; g++) acc[g] = vzero();
-            long d = 0;
-            if (ksb) {
-                const int8_t *k = kb8 + j * D;
-                const float *sc = ksb + j * (D / kv->sg);
-                for (; d + VL <= D; d += VL) {
-                    vec kvec = vmul(vload8(k + d), vset1(sc[d / kv->sg]));
-                    for (int g = 0; g < G; g++) acc[g] = vfma(vload(qr[g] + d), kvec, acc[g]);
-                }
-                for (int g = 0; g < G; g++) {
-                    float v = vsum(acc[g]);
-                    for (long dd = d; dd < D; dd++) v = fmaf(qr[g][dd], (float)k[dd] * sc[dd / kv->sg], v);
-                    w[g * SP + s0 + j] = v * scale;
-                }
-                continue;
-            }
-            const float *k = kb + j * D;
+/* Keys and values are visited in tiles of at most KT positions inside one block when a work item has
+   several rows: it runs every one of its rows over a tile before the next, so a tile is read from
+   memory once per work item and then from cache. A one-row work item takes a block as one tile. Each
+   row sees its own positions in ascending order either way, so the tiling never changes a bit. */
+#define KT 32
+
+/* G ≤ GMAX query vectors qr[g] (each D floats) against positions s0 … s0+n-1, which sit at offsets
+   j0 … j0+n-1 of block blk: w[g·SP + s] = scale · q_g · k_s (int8 keys: k_s dequantized a vector at a
+   time, k8 · its group's scale). */
+static inline __attribute__((always_inline)) void score_tile(const float *const *qr, const int G, const kv_view *kv,
+                                                             long blk, long j0, long n, long s0, long kh, long D,
+                                                             float scale, float *w, long SP) {
+    const float *kb = (const float *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
+    const int8_t *kb8 = (const int8_t *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
+    const float *ksb = kv->ks ? kv->ks + blk * kv->sc_blk_stride + kh * kv->sc_head_stride : NULL;
+    for (long j = 0; j < n; j++) {
+        vec acc[GMAX];
+        for (int g = 0; g < G; g++) acc[g] = vzero();
+        long d = 0;
+        if (ksb) {
+            const int8_t *k = kb8 + (j0 + j) * D;
+            const float *sc = ksb + (j0 + j) * (D / kv->sg);
             for (; d + VL <= D; d += VL) {
-                vec kvec = vload(k + d);
+                vec kvec = vmul(vload8(k + d), vset1(sc[d / kv->sg]));
                 for (int g = 0; g < G; g++) acc[g] = vfma(vload(qr[g] + d), kvec, acc[g]);
             }
             for (int g = 0; g < G; g++) {
                 float v = vsum(acc[g]);
-                for (long dd = d; dd < D; dd++) v = fmaf(qr[g][dd], k[dd], v);
+                for (long dd = d; dd < D; dd++) v = fmaf(qr[g][dd], (float)k[dd] * sc[dd / kv->sg], v);
                 w[g * SP + s0 + j] = v * scale;
             }
+            continue;
+        }
+        const float *k = kb + (j0 + j) * D;
+        for (; d + VL <= D; d += VL) {
+            vec kvec = vload(k + d);
+            for (int g = 0; g < G; g++) acc[g] = vfma(vload(qr[g] + d), kvec, acc[g]);
+        }
+        for (int g = 0; g < G; g++) {
+            float v = vsum(acc[g]);
+            for (long dd = d; dd < D; dd++) v = fmaf(qr[g][dd], k[dd], v);
+            w[g * SP + s0 + j] = v * scale;
         }
     }
 }
@@ -104,102 +110,125 @@ static float softmax_row(float *w, long p) {
     return 1.0f / hsum(sum);
 }
 
-/* One stored value row's element d as a float (int8 stores: times its group's scale). */
-static inline float value_at(const kv_view *kv, long blk, long kh, long j, long D, long d) {
-    if (kv->vs)
-        return (float)((const int8_t *)kv->v)[blk * kv->blk_stride + kh * kv->head_stride + j * D + d] *
-               kv->vs[blk * kv->sc_blk_stride + kh * kv->sc_head_stride + j * (D / kv->sg) + d / kv->sg];
-    return ((const float *)kv->v)[blk * kv->blk_stride + kh * kv->head_stride + j * D + d];
-}
-
-/* out_g[d] = inv[g] · Σ_{s ≤ p} w[g·SP + s] · v_s[d], 2·VL dimensions at a time for all G heads
-   (int8 values dequantized a vector at a time, v8 · its group's scale). */
-static inline __attribute__((always_inline)) void mix_values(const float *w, long SP, const float *inv, const int G,
-                                                             const kv_view *kv, const int64_t *table, long kh,
-                                                             long p, long D, float *const *out) {
+/* out_g[d] += Σ_{s0 ≤ s < s0+n} w[g·SP + s] · v_s[d] in ascending s, for positions s0 … s0+n-1 at
+   offsets j0 … of block blk; the running sums live in out between tiles (a float stored and loaded is
+   the same float, so this is the order and the result of one long sum). 2·VL dimensions at a time
+   for all G heads (int8 values dequantized a vector at a time, v8 · its group's scale). */
+static inline __attribute__((always_inline)) void mix_tile(const float *w, long SP, const int G, const kv_view *kv,
+                                                           long blk, long j0, long n, long s0, long kh, long D,
+                                                           float *const *out) {
+    const float *vb = (const float *)kv->v + blk * kv->blk_stride + kh * kv->head_stride + j0 * D;
+    const int8_t *vb8 = (const int8_t *)kv->v + blk * kv->blk_stride + kh * kv->head_stride + j0 * D;
+    const float *vsb = kv->vs ? kv->vs + blk * kv->sc_blk_stride + kh * kv->sc_head_stride + j0 * (D / kv->sg) : NULL;
     long d = 0;
     for (; d + 2 * VL <= D; d += 2 * VL) {
         vec acc[GMAX][2];
-        for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = vzero();
-        for (long s0 = 0; s0 <= p; s0 += kv->bs) {
-            long blk = table[s0 / kv->bs], n = p + 1 - s0 < kv->bs ? p + 1 - s0 : kv->bs;
-            if (kv->vs) {
-                const int8_t *vb = (const int8_t *)kv->v + blk * kv->blk_stride + kh * kv->head_stride;
-                const float *vsb = kv->vs + blk * kv->sc_blk_stride + kh * kv->sc_head_stride;
-                for (long j = 0; j < n; j++) {
-                    const float *sc = vsb + j * (D / kv->sg);
-                    vec v0 = vmul(vload8(vb + j * D + d), vset1(sc[d / kv->sg]));
-                    vec v1 = vmul(vload8(vb + j * D + d + VL), vset1(sc[(d + VL) / kv->sg]));
-                    for (int g = 0; g < G; g++) {
-                        vec ws = vset1(w[g * SP + s0 + j]);
-                        acc[g][0] = vfma(ws, v0, acc[g][0]);
-                        acc[g][1] = vfma(ws, v1, acc[g][1]);
-                    }
-                }
-                continue;
+        for (int g = 0; g < G; g++) acc[g][0] = vload(out[g] + d), acc[g][1] = vload(out[g] + d + VL);
+        for (long j = 0; j < n; j++) {
+            vec v0, v1;
+            if (vsb) {
+                const float *sc = vsb + j * (D / kv->sg);
+                v0 = vmul(vload8(vb8 + j * D + d), vset1(sc[d / kv->sg]));
+                v1 = vmul(vload8(vb8 + j * D + d + VL), vset1(sc[(d + VL) / kv->sg]));
+            } else {
+                v0 = vload(vb + j * D + d), v1 = vload(vb + j * D + d + VL);
             }
-            const float *vb = (const float *)kv->v + blk * kv->blk_stride + kh * kv->head_stride;
-            for (long j = 0; j < n; j++) {
-                vec v0 = vload(vb + j * D + d), v1 = vload(vb + j * D + d + VL);
-                for (int g = 0; g < G; g++) {
-                    vec ws = vset1(w[g * SP + s0 + j]);
-                    acc[g][0] = vfma(ws, v0, acc[g][0]);
-                    acc[g][1] = vfma(ws, v1, acc[g][1]);
-                }
+            for (int g = 0; g < G; g++) {
+                vec ws = vset1(w[g * SP + s0 + j]);
+                acc[g][0] = vfma(ws, v0, acc[g][0]);
+                acc[g][1] = vfma(ws, v1, acc[g][1]);
             }
         }
-        for (int g = 0; g < G; g++) {
-            vstore(out[g] + d, vmul(acc[g][0], vset1(inv[g])));
-            vstore(out[g] + d + VL, vmul(acc[g][1], vset1(inv[g])));
-        }
+        for (int g = 0; g < G; g++) vstore(out[g] + d, acc[g][0]), vstore(out[g] + d + VL, acc[g][1]);
     }
     for (; d < D; d++)
         for (int g = 0; g < G; g++) {
-            float acc = 0.0f;
-            for (long s = 0; s <= p; s++)
-                acc = fmaf(w[g * SP + s], value_at(kv, table[s / kv->bs], kh, s % kv->bs, D, d), acc);
-            out[g][d] = acc * inv[g];
+            float acc = out[g][d];
+            for (long j = 0; j < n; j++) {
+                float v = vsb ? (float)vb8[j * D + d] * vsb[j * (D / kv->sg) + d / kv->sg] : vb[j * D + d];
+                acc = fmaf(w[g * SP + s0 + j], v, acc);
+            }
+            out[g][d] = acc;
         }
 }
 
-/* One row and one KV head: G query heads (a compile-time constant, so the G accumulators live in
-   registers), scratch w of G × SP floats. */
+/* The tile that starts at position s0 of a row with block table `table`: its block and offset there;
+   returns its length (at most kt, within the block, and not past pmax). */
+static inline long tile_at(const kv_view *kv, const int64_t *table, long s0, long pmax, long kt, long *blk,
+                           long *j0) {
+    long n = kv->bs - s0 % kv->bs;
+    n = n < kt ? n : kt;
+    *blk = table[s0 / kv->bs], *j0 = s0 % kv->bs;
+    return pmax + 1 - s0 < n ? pmax + 1 - s0 : n;
+}
+
+/* Rows r0 … r0+nr-1 of one batch row (block table `table`), one KV head kh and its G query heads
+   h0 … h0+G-1 (G a compile-time constant, so the accumulators live in registers). Scratch w holds
+   nr · G score rows of SP floats, then nr · G reciprocal sums. Scores of every row over each key
+   tile, a softmax per row and head, then the values tile by tile, then the scaling by 1 / Σ. */
 #define ATTEND_GROUP(G)                                                                          \
-    static void group_##G(const float *const *qr, float *const *o, const kv_view *kv, const int64_t *table, \
-                          long kh, long p, long D, float scale, float *w, long SP) {             \
-        float inv[G];                                                                            \
-        scores(qr, G, kv, table, kh, p, D, scale, w, SP);                                        \
-        for (int g = 0; g < G; g++) inv[g] = softmax_row(w + g * SP, p);                         \
-        mix_values(w, SP, inv, G, kv, table, kh, p, D, o);                                       \
+    static void group_##G(const float *q, long q_rs, float *out, long H, const kv_view *kv,        \
+                          const int64_t *table, const int64_t *pos, long r0, long nr, long kh, long h0, \
+                          long D, float scale, float *w, long SP) {                              \
+        float *inv = w + nr * G * SP;                                                            \
+        long pmax = 0, kt = nr > 1 ? KT : kv->bs;                                                                           \
+        for (long i = 0; i < nr; i++) pmax = pos[r0 + i] > pmax ? pos[r0 + i] : pmax;              \
+        for (long i = 0; i < nr; i++)                                                            \
+            memset(out + ((r0 + i) * H + h0) * D, 0, sizeof(float) * G * D);                      \
+        for (long s0 = 0, n, blk, j0; s0 <= pmax; s0 += n) {                                     \
+            n = tile_at(kv, table, s0, pmax, kt, &blk, &j0);                                         \
+            for (long i = 0; i < nr; i++) {                                                      \
+            long p = pos[r0 + i];                                                                \
+            if (p < s0) continue;                                                                \
+            const float *qr[G];                                                                  \
+            for (int g = 0; g < G; g++) qr[g] = q + (r0 + i) * q_rs + (h0 + g) * D;                \
+            score_tile(qr, G, kv, blk, j0, p + 1 - s0 < n ? p + 1 - s0 : n, s0, kh, D, scale,       \
+                       w + i * G * SP, SP);                                                      \
+        }}                                                                                       \
+        for (long i = 0; i < nr; i++)                                                            \
+            for (int g = 0; g < G; g++) inv[i * G + g] = softmax_row(w + (i * G + g) * SP, pos[r0 + i]); \
+        for (long s0 = 0, n, blk, j0; s0 <= pmax; s0 += n) {                                     \
+            n = tile_at(kv, table, s0, pmax, kt, &blk, &j0);                                         \
+            for (long i = 0; i < nr; i++) {                                                      \
+            long p = pos[r0 + i];                                                                \
+            if (p < s0) continue;                                                                \
+            float *o[G];                                                                         \
+            for (int g = 0; g < G; g++) o[g] = out + ((r0 + i) * H + h0 + g) * D;                  \
+            mix_tile(w + i * G * SP, SP, G, kv, blk, j0, p + 1 - s0 < n ? p + 1 - s0 : n, s0, kh, D, o); \
+        }}                                                                                       \
+        for (long i = 0; i < nr; i++)                                                            \
+            for (int g = 0; g < G; g++) {                                                        \
+                float *o = out + ((r0 + i) * H + h0 + g) * D;                                      \
+                long d = 0;                                                                      \
+                for (; d + VL <= D; d += VL) vstore(o + d, vmul(vload(o + d), vset1(inv[i * G + g]))); \
+                for (; d < D; d++) o[d] = o[d] * inv[i * G + g];                                 \
+            }                                                                                    \
     }
 ATTEND_GROUP(1) ATTEND_GROUP(2) ATTEND_GROUP(3) ATTEND_GROUP(4)
 ATTEND_GROUP(5) ATTEND_GROUP(6) ATTEND_GROUP(7) ATTEND_GROUP(8)
-typedef void (*group_fn)(const float *const *, float *const *, const kv_view *, const int64_t *, long, long, long,
-                         float, float *, long);
+typedef void (*group_fn)(const float *, long, float *, long, const kv_view *, const int64_t *, const int64_t *, long,
+                         long, long, long, long, float, float *, long);
 static const group_fn GROUPS[GMAX + 1] = {0, group_1, group_2, group_3, group_4, group_5, group_6, group_7, group_8};
 
 void vs_attend_ws(const float *q, long q_rs, const kv_view *kv, const int64_t *pos, float *out, long B,
                   long H, long Hkv, long T, long D, float scale, float *scratch, long SP) {
-    long G = H / Hkv, items = B * T * Hkv;
+    long G = H / Hkv, ngroups = (G + GMAX - 1) / GMAX, chunk = att_rows(T, SP), threads = 1;
     float *w = scratch;
 #ifdef _OPENMP
-    w += SP * GMAX * omp_get_thread_num();
+    w += att_scratch(T, SP) * omp_get_thread_num();
+    threads = omp_get_num_threads();
 #endif
+    /* Fewer (batch row, KV head) pairs than threads: split the rows further (the result of a row does
+       not depend on which rows share its work item). */
+    long pairs = B * Hkv * ngroups, split = (threads + pairs - 1) / pairs;
+    if ((T + chunk - 1) / chunk < split) chunk = (T + split - 1) / split;
+    long nchunks = (T + chunk - 1) / chunk, items = pairs * nchunks;
 #pragma omp for schedule(static)
     for (long it = 0; it < items; it++) {
-        long r = it / Hkv, b = r / T, kh = it % Hkv, p = pos[r];
-        const int64_t *table = kv->tables + b * kv->nb;
-        for (long g0 = 0; g0 < G; g0 += GMAX) {
-            int gn = G - g0 < GMAX ? (int)(G - g0) : GMAX;
-            const float *qr[GMAX];
-            float *o[GMAX];
-            for (int g = 0; g < gn; g++) {
-                long h = kh * G + g0 + g;
-                qr[g] = q + r * q_rs + h * D;
-                o[g] = out + (r * H + h) * D;
-            }
-            GROUPS[gn](qr, o, kv, table, kh, p, D, scale, w, SP);
-        }
+        long c = it % nchunks, rest = it / nchunks, gi = rest % ngroups, kh = (rest / ngroups) % Hkv;
+        long b = rest / ngroups / Hkv, t0 = c * chunk, nr = T - t0 < chunk ? T - t0 : chunk;
+        long g0 = gi * GMAX, gn = G - g0 < GMAX ? G - g0 : GMAX;
+        GROUPS[gn](q, q_rs, out, H, kv, kv->tables + b * kv->nb, pos, b * T + t0, nr, kh, kh * G + g0, D, scale, w, SP);
     }
 }
 
@@ -211,7 +240,7 @@ int verispec_attend_rows(const float *q, const float *keys, const float *values,
     long maxp = 0;
     for (long r = 0; r < B * T; r++) maxp = pos[r] > maxp ? pos[r] : maxp;
     long SP = spad(maxp + 1);
-    float *scratch = malloc(sizeof(float) * SP * GMAX * threads);
+    float *scratch = malloc(sizeof(float) * att_scratch(T, SP) * threads);
     if (!scratch) return -1;
     kv_view kv = {keys, values, NULL, NULL, tables, nb, bs, blk_stride, head_stride, 0, 0, D};
 #pragma omp parallel num_threads(threads)

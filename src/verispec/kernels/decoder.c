@@ -154,12 +154,12 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
     long maxp = 0;
     for (long r = 0; r < R; r++) maxp = pos[r] > maxp ? pos[r] : maxp;
     long SP = spad(maxp + 1);
-    size_t floats = (size_t)R * (2 * C + QW + H * D + 3 * I) + (size_t)R * (2 * (KMAX / 32) + 1) + (size_t)SP * GMAX * threads;
+    size_t floats = (size_t)R * (2 * C + QW + H * D + 3 * I) + (size_t)R * (2 * (KMAX / 32) + 1) + (size_t)att_scratch(T, SP) * threads;
     float *arena = malloc(sizeof(float) * floats + sizeof(int16_t) * R * KMAX + 64);
     if (!arena) return -1;
     float *xn = arena, *tmp = xn + R * C, *qkv = tmp + R * C, *att = qkv + R * QW, *gu = att + R * H * D;
     float *act = gu + R * 2 * I, *sx = act + R * I, *scratch = sx + R * (2 * (KMAX / 32) + 1);
-    int16_t *qx = (int16_t *)(scratch + (size_t)SP * GMAX * threads);
+    int16_t *qx = (int16_t *)(scratch + (size_t)att_scratch(T, SP) * threads);
 #pragma omp parallel num_threads(threads)
     for (long l = 0; l < dm->layers; l++) {
         const layer_weights *w = lw + l;

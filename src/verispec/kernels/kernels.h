@@ -83,9 +83,20 @@ static inline void kv_quantize(const float *x, long n, long sg, int8_t *q, float
 }
 
 /* Each query row attends over exactly its own prefix (attention.c). q(r, h) = q + r · q_rs + h · D for
-   rows r = b · T + t; out (R, H, D) contiguous; scratch of threads × GMAX × spad(max pos + 1) floats. */
+   rows r = b · T + t; out (R, H, D) contiguous; scratch of threads × att_scratch(T, SP) floats with
+   SP = spad(max pos + 1). Past ATT_SHARED positions a work item takes up to att_rows(T, SP) rows of
+   one batch row together, so that they share each read of the cache while their scores (rows × GMAX
+   × SP floats) stay within ATT_BUDGET floats per thread; below it the cache of a layer stays in the
+   last-level cache and one row per work item is faster. */
 #define GMAX 8
+#define ATT_BUDGET (1L << 17)
+#define ATT_SHARED 6144
 static inline long spad(long s) { return (s + 7) / 8 * 8; }
+static inline long att_rows(long T, long SP) {
+    long rows = SP < ATT_SHARED ? 1 : ATT_BUDGET / (GMAX * SP);
+    return rows < 1 ? 1 : rows > T ? T : rows;
+}
+static inline long att_scratch(long T, long SP) { return att_rows(T, SP) * GMAX * (SP + 1); }
 void vs_attend_ws(const float *q, long q_rs, const kv_view *kv, const int64_t *pos, float *out, long B,
                   long H, long Hkv, long T, long D, float scale, float *scratch, long SP);
 #endif
