@@ -203,3 +203,15 @@ def test_the_shipped_heads_load_for_the_embedded_target_and_say_how_they_were_ma
     assert "verispec train-head" in heads.meta["command"]
     assert path.with_name(path.name + ".json").is_file()
     assert shipped_heads("no-such-model") is None
+
+
+def test_the_corpus_puts_the_targets_own_answers_first_and_keeps_to_the_budget(monkeypatch, tmp_path):
+    from verispec.cli import train_head
+
+    answers = [list(range(600)), list(range(40)), list(range(100))]
+    monkeypatch.setattr(train_head, "_own_answers", lambda target, dtype: answers)
+    (tmp_path / "a.py").write_text("x = 1\n" * 2000)
+    windows, name = train_head._corpus(["answers", str(tmp_path)], tiny_text_model(0), "auto", 2000)
+    # an answer's 88-token tail is kept, a 40-token answer is not; then whole 512-token windows of text
+    assert windows[:3] == [answers[0][:512], answers[0][512:], answers[2]]
+    assert [len(w) for w in windows[3:]] == [512, 512] and name == f"answers {tmp_path}"

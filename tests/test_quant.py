@@ -97,3 +97,18 @@ def test_prepared_directories_store_fused_projections_and_older_ones_are_redone(
     meta = json.loads((prepared / "verispec.json").read_text())
     (prepared / "verispec.json").write_text(json.dumps(meta | {"version": PREPARED_VERSION - 1}))
     assert load_model(path, dtype="float32").cold                        # an older layout is prepared again
+
+
+def test_int8_rows_selected_keep_their_integers_and_scores():
+    """A truncated LM head (draft vocabulary, heads) slices the int8 rows: the same logits as the full head."""
+    from torch import nn
+
+    from verispec.models.quant import Int8Linear
+
+    torch.manual_seed(0)
+    head = Int8Linear(nn.Linear(64, 300, bias=False))
+    rows = torch.tensor([0, 5, 17, 299])
+    sub = head.select_rows(rows)
+    x = torch.randn(3, 64)
+    assert sub.out_features == 4 and torch.equal(sub.scales, head.scales[rows])
+    assert torch.equal(sub(x), head(x)[:, rows])

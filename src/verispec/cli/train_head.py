@@ -12,7 +12,8 @@ from pathlib import Path
 from verispec.errors import VerispecError
 
 DEFAULT_TOKENS = 150_000
-STDLIB_BYTES = 8 << 20      # of standard-library sources, the default corpus
+DEFAULT_CORPUS = ("answers", "stdlib")
+STDLIB_BYTES = 8 << 20      # of standard-library sources
 
 
 def add_parser(sub) -> None:
@@ -25,13 +26,15 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=DEFAULT_TARGET, help=f"the target the heads draft for (default {DEFAULT_TARGET})")
     p.add_argument("--dtype", default="auto", help="weight format of the target (default auto, as generate)")
     p.add_argument("--kind", default="medusa", choices=["medusa", "eagle"], help="head kind (default medusa)")
-    p.add_argument("--corpus", nargs="*", default=None,
-                   help="text files or directories to read (default: the Python standard library's sources)")
+    p.add_argument("--corpus", nargs="+", default=list(DEFAULT_CORPUS),
+                   help="what to read: 'answers' (the target's own greedy answers to the HumanEval and MT-bench "
+                        "prompts, generated once and cached), 'stdlib' (the Python standard library's sources), "
+                        f"or text files and directories (default: {' '.join(DEFAULT_CORPUS)})")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
                    help=f"how many tokens of text to read (default {DEFAULT_TOKENS:,})")
     p.add_argument("--heads", type=int, default=4, help="future positions drafted, one head each (default 4)")
     p.add_argument("--vocab", type=int, default=16384,
-                   help="tokens the heads may propose, the most frequent in the corpus (default 16384)")
+                   help="tokens the heads may propose: those the target says most often in the corpus (default 16384)")
     p.add_argument("--minutes", type=float, default=20, help="training time budget, after features (default 20)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0)
@@ -39,14 +42,74 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _corpus_texts(paths: list[str] | None, budget_chars: int) -> tuple[list[str], str]:
+ANSWER_SUITES = ("humaneval", "mtbench")   # public prompt sets whose answers the target writes itself
+ANSWER_TOKENS = 384                         # longest answer kept per prompt
+ANSWER_BATCH = 16                           # prompts decoded together (plain greedy, row-exact)
+
+
+def _own_answers(target, dtype: str) -> list[list[int]]:
+    """Token ids of each public prompt (chat template applied) followed by the target's own greedy answer.
+    Written batch by batch under the cache (`head-answers/`), so an interrupted run resumes; the bundled
+    suite's prompts are left out, so that `verispec bench` measures heads on prompts they never saw."""
+    from verispec.bench.suites import load_suite
+    from verispec.cache import atomic_file, cache_dir
+    from verispec.engine.llm import LLM
+    from verispec.engine.params import SamplingParams
+
+    prompts = [p for suite in ANSWER_SUITES for p in load_suite(suite)]
+    name = json.dumps([target.name, dtype, [p.id for p in prompts], ANSWER_TOKENS])
+    path = cache_dir() / "head-answers" / f"{hashlib.sha256(name.encode()).hexdigest()[:16]}.json"
+    done: dict[str, list[int]] = {}
+    if path.exists():
+        try:
+            done = json.loads(path.read_text())
+        except (OSError, ValueError):            # a damaged file is made again
+            done = {}
+    llm = LLM(target, proposer="none", max_batch=ANSWER_BATCH)
+    params = SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS)
+    todo = [p for p in prompts if p.id not in done]
+    for i in range(0, len(todo), ANSWER_BATCH):
+        batch = todo[i: i + ANSWER_BATCH]
+        encoded = [llm.encode(p.render(llm)) for p in batch]
+        for p, ids, out in zip(batch, encoded, llm.generate(encoded, params)):
+            done[p.id] = ids + out.token_ids
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as tmp:
+            tmp.write_text(json.dumps(done))
+        sys.stderr.write(f"\ranswers: {len(prompts) - len(todo) + i + len(batch)}/{len(prompts)} prompts")
+        sys.stderr.flush()
+    if todo:
+        sys.stderr.write("\n")
+    return [done[p.id] for p in prompts]
+
+
+def _corpus(entries: list[str], target, dtype: str, tokens: int) -> tuple[list[list[int]], str]:
+    """Training windows (token ids) from the corpus entries — `answers` (the target's own answers to
+    public prompts), `stdlib` (the standard library's sources) or text files and directories — up to
+    `tokens` tokens: answers first, then the texts' whole windows, shuffled."""
+    from verispec.heads.train import windows_of
     from verispec.text_collection import stdlib_sources
 
-    if not paths:
-        return list(stdlib_sources(budget_chars)), "python-stdlib"
-    from verispec.proposers.retrieval import read_corpus
+    windows: list[list[int]] = []
+    if "answers" in entries:
+        windows += windows_of(_own_answers(target, dtype), min_tail=64)
+    texts: list[str] = []
+    if "stdlib" in entries:
+        texts += list(stdlib_sources(STDLIB_BYTES))
+    paths = [e for e in entries if e not in ("answers", "stdlib")]
+    if paths:
+        from verispec.proposers.retrieval import read_corpus
 
-    return read_corpus(paths), " ".join(paths)
+        texts += read_corpus(paths)
+    rest = windows_of([target.tokenizer.encode(t) for t in texts])
+    random.Random(0).shuffle(rest)                # spread the budget over the whole text
+    out, used = [], 0
+    for w in windows + rest:
+        if used + len(w) > tokens:
+            break
+        out.append(w)
+        used += len(w)
+    return out, " ".join(entries)
 
 
 def run(args) -> int:
@@ -56,7 +119,7 @@ def run(args) -> int:
     from verispec.engine.loading import load_model
     from verispec.heads import MedusaHeads, save_heads
     from verispec.heads.medusa import MAX_HEADS
-    from verispec.heads.train import WINDOW, extract, progress_line, record, train, windows_of
+    from verispec.heads.train import WINDOW, extract, heads_vocab, progress_line, record, train, training_tokens
     from verispec.proposers.draft_vocab import frequent_tokens
 
     if args.kind == "eagle":
@@ -75,17 +138,15 @@ def run(args) -> int:
     if target.tokenizer is None:
         raise VerispecError("training heads needs a model with a tokenizer")
     model, cfg = target.model, target.config
-    texts, corpus_name = _corpus_texts(args.corpus, STDLIB_BYTES)
-    ids = [target.tokenizer.encode(t) for t in texts]
-    windows = windows_of(ids)
-    random.Random(args.seed).shuffle(windows)             # spread the budget over the whole corpus
-    windows = windows[: args.tokens // WINDOW]
+    windows, corpus_name = _corpus(args.corpus, target, args.dtype, args.tokens)
     if not windows:
         raise VerispecError(f"the corpus holds no window of {WINDOW} tokens")
-    key = hashlib.sha256(json.dumps([target.name, args.dtype, corpus_name, len(windows), args.seed]).encode()).hexdigest()[:16]
+    tokens = sum(len(w) for w in windows)
+    key = hashlib.sha256(json.dumps([target.name, args.dtype, corpus_name, tokens, len(windows)]).encode()).hexdigest()[:16]
     features = extract(model, windows, cache_dir() / "head-features" / key, on_progress=progress_line)
     n = min(args.vocab, cfg.vocab_size)
-    vocab = frequent_tokens(target.tokenizer, n, cfg.vocab_size) if n < cfg.vocab_size else torch.arange(n)
+    vocab = (heads_vocab(training_tokens(features), n, frequent_tokens(target.tokenizer, n, cfg.vocab_size))
+             if n < cfg.vocab_size else torch.arange(n))
     weight = model.lm_head.dequantized() if hasattr(model.lm_head, "dequantized") else model.lm_head.weight.detach()
     head_rows = weight[vocab].float()                                              # (N, C)
     heads = MedusaHeads(args.heads, cfg.hidden_size, vocab)
@@ -93,10 +154,10 @@ def run(args) -> int:
                   log=lambda s: print(s, file=sys.stderr, flush=True))
     command = "verispec train-head " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train-head"] else "verispec train-head"
     heads.meta = {"vocab_size": str(cfg.vocab_size), "target": target.name, "command": command,
-                  "corpus": corpus_name, "tokens": str(len(windows) * WINDOW), "heldout": json.dumps(score)}
+                  "corpus": corpus_name, "tokens": str(tokens), "heldout": json.dumps(score)}
     save_heads(heads, out)
     record(out, {"command": command, "target": target.name, "corpus": corpus_name,
-                 "tokens": len(windows) * WINDOW, "heads": args.heads, "vocab": len(vocab),
+                 "tokens": tokens, "heads": args.heads, "vocab": len(vocab),
                  "minutes": args.minutes, "heldout": score})
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): held-out acceptance by draft position "
           + " / ".join(f"{x:.2f}" for x in score["chain"]))

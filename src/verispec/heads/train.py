@@ -41,31 +41,35 @@ class Features:
     starts: torch.Tensor    # (W + 1,) window boundaries into P
 
 
-def windows_of(token_lists: list[list[int]], window: int = WINDOW) -> list[list[int]]:
-    """Documents cut into whole windows of `window` tokens (a short tail is dropped)."""
+def windows_of(token_lists: list[list[int]], window: int = WINDOW, min_tail: int | None = None) -> list[list[int]]:
+    """Documents cut into windows of `window` tokens; a last window shorter than min_tail (default:
+    a whole window) is dropped."""
+    keep = window if min_tail is None else min_tail
     out = []
     for ids in token_lists:
-        out.extend(ids[i: i + window] for i in range(0, len(ids) - window + 1, window))
+        out.extend(w for w in (ids[i: i + window] for i in range(0, len(ids), window)) if len(w) >= keep)
     return out
 
 
 @torch.inference_mode()
 def extract(model: Transformer, windows: list[list[int]], out_dir: Path,
-            on_progress: Callable[[int, int, float], None] | None = None) -> Features:
-    """Teacher-forced states and greedy tokens for every window (shards kept in out_dir, reused)."""
+            on_progress: Callable[[int, int, int, int, float], None] | None = None) -> Features:
+    """Teacher-forced states and greedy tokens for every window (shards kept in out_dir, reused).
+    on_progress(windows done, windows, tokens read in this run, tokens left, seconds) after each window."""
     from safetensors.torch import load_file, save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     runner = ModelRunner(model, 1, max(len(w) for w in windows))
     step = model.exact_pass_rows(runner.cache.store) or 64
     shards = [windows[i: i + SHARD_WINDOWS] for i in range(0, len(windows), SHARD_WINDOWS)]
-    parts, start, done = [], time.perf_counter(), 0
+    parts, start, done, read, left = [], time.perf_counter(), 0, 0, sum(map(len, windows))
     for n, shard in enumerate(shards):
         path = out_dir / f"shard-{n:05d}.safetensors"
         if path.exists():
             try:
                 parts.append(load_file(str(path)))
                 done += len(shard)
+                left -= sum(map(len, shard))
                 continue
             except Exception:                # a damaged shard is made again
                 path.unlink(missing_ok=True)
@@ -78,9 +82,9 @@ def extract(model: Transformer, windows: list[list[int]], out_dir: Path,
                 states.append(h[0].to(torch.float16))
                 argmax.append(logits[0].argmax(-1))
                 runner.cache.set_length(0, runner.length(0) + len(chunk))
-            done += 1
+            done, read, left = done + 1, read + len(ids), left - len(ids)
             if on_progress:
-                on_progress(done, len(windows), time.perf_counter() - start)
+                on_progress(done, len(windows), read, left, time.perf_counter() - start)
         part = {"states": torch.cat(states), "argmax": torch.cat(argmax),
                 "lengths": torch.tensor([len(w) for w in shard], dtype=torch.long)}
         with atomic_file(path) as tmp:
@@ -103,6 +107,29 @@ def labelled_rows(features: Features, num_heads: int, windows: list[int]) -> tup
         rows.append(t)
         labels.append(torch.where(idx < b, lab, torch.full_like(lab, -1)))
     return torch.cat(rows), torch.cat(labels)
+
+
+def split_windows(num: int) -> tuple[list[int], list[int]]:
+    """(held-out, training) window indices: every HELDOUT_EVERY-th window is held out."""
+    held = [w for w in range(num) if w % HELDOUT_EVERY == HELDOUT_EVERY - 1] or [num - 1]
+    fit = [w for w in range(num) if w not in set(held)] or held
+    return held, fit
+
+
+def training_tokens(features: Features) -> torch.Tensor:
+    """The target's tokens at the training (not held-out) positions."""
+    _, fit = split_windows(len(features.starts) - 1)
+    return torch.cat([features.argmax[int(features.starts[w]): int(features.starts[w + 1])] for w in fit])
+
+
+def heads_vocab(argmax: torch.Tensor, n: int, fill: torch.Tensor) -> torch.Tensor:
+    """The heads' n tokens (sorted ids): those the target itself chose most often in the features
+    (ties: the lower id), then tokens of `fill` (e.g. the most frequent in a text collection) until
+    there are n — so the heads can propose what the target says in the text they learn from."""
+    counts = torch.bincount(argmax, minlength=int(max(argmax.max(), fill.max())) + 1)
+    said = torch.argsort(-counts, stable=True)[: int((counts > 0).sum())][:n]
+    extra = fill[~torch.isin(fill, said)][: n - len(said)]
+    return torch.sort(torch.cat([said, extra])).values
 
 
 def agreement(heads: MedusaHeads, head_rows: torch.Tensor, features: Features, rows: torch.Tensor,
@@ -132,9 +159,7 @@ def train(heads: MedusaHeads, head_rows: torch.Tensor, features: Features, minut
     """Fit heads (in place) to the features within `minutes` (or `max_steps`, whichever comes first:
     a step budget makes a run independent of the machine's speed); returns the held-out agreement."""
     torch.manual_seed(seed)
-    num = len(features.starts) - 1
-    held = [w for w in range(num) if w % HELDOUT_EVERY == HELDOUT_EVERY - 1] or [num - 1]
-    fit = [w for w in range(num) if w not in set(held)] or held
+    held, fit = split_windows(len(features.starts) - 1)
     rows, labels = labelled_rows(features, heads.num_heads, fit)
     hrows, hlabels = labelled_rows(features, heads.num_heads, held)
     index = torch.full((int(max(features.argmax.max(), heads.vocab.max())) + 1,), -1, dtype=torch.long)
@@ -182,10 +207,9 @@ def train(heads: MedusaHeads, head_rows: torch.Tensor, features: Features, minut
     return score
 
 
-def progress_line(done: int, total: int, seconds: float) -> None:
-    rate = done / max(seconds, 1e-9)
-    sys.stderr.write(f"\rfeatures: {done}/{total} windows of {WINDOW} tokens ({rate * WINDOW:.0f} tokens/s, "
-                     f"{(total - done) / max(rate, 1e-9) / 60:.1f} min left)")
+def progress_line(done: int, total: int, read: int, left: int, seconds: float) -> None:
+    rate = read / max(seconds, 1e-9)
+    sys.stderr.write(f"\rfeatures: {done}/{total} windows ({rate:.0f} tokens/s, {left / max(rate, 1e-9) / 60:.1f} min left)")
     if done == total:
         sys.stderr.write("\n")
     sys.stderr.flush()

@@ -66,6 +66,18 @@ class Int8Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         return kernels.unpack_int8(self.weight, self.out_features, self.in_features).float() * self.scales[:, None]
 
+    def select_rows(self, rows: torch.Tensor) -> "Int8Linear":
+        """A linear with only the given output rows: the same integers and scales, no float round trip."""
+        sub = Int8Linear.__new__(Int8Linear)
+        nn.Module.__init__(sub)
+        sub.in_features, sub.out_features = self.in_features, len(rows)
+        q = kernels.unpack_int8(self.weight, self.out_features, self.in_features)[rows]      # (N', K) int8
+        sub.register_buffer("weight", kernels.pack_int8(q))
+        sub.register_buffer("scales", self.scales[rows].clone())
+        sub.register_buffer("bias", None if self.bias is None else self.bias[rows].clone())
+        sub._torch_weight = None
+        return sub
+
 
 def quantize_int4(weight: torch.Tensor, tol: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(N, K) float -> q (N, K) uint8 in 0 … 15, scales and mins (N, K/32) float32 with w = min + q · scale,

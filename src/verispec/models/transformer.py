@@ -235,12 +235,14 @@ class Transformer(nn.Module):
 
 
 def _select_rows(head: nn.Module, vocab: torch.Tensor) -> nn.Module:
-    """A linear with only the output rows in vocab: float weights sliced; an int8 head re-quantized
-    from its own dequantized rows, which gives back the same integers and scales (per-row absmax)."""
+    """A linear with only the output rows in vocab: float weights sliced; an int8 head's integers and
+    scales sliced."""
     from verispec.models.quant import Int8Linear
 
+    if isinstance(head, Int8Linear):
+        return head.select_rows(vocab)
     weight = head.dequantized() if hasattr(head, "dequantized") else head.weight.detach()
     sub = nn.Linear(weight.shape[1], len(vocab), bias=False, dtype=weight.dtype)
     with torch.no_grad():
         sub.weight.copy_(weight[vocab])
-    return Int8Linear(sub) if isinstance(head, Int8Linear) else sub
+    return sub
