@@ -134,6 +134,11 @@ def run(args) -> int:
         raise VerispecError(f"cannot write {out}: {exc.strerror or exc}") from None
     if not os.access(out.parent, os.W_OK) or out.is_dir():
         raise VerispecError(f"cannot write {out}: not a writable file path")
+    if "answers" in args.corpus:             # the prompt sets are installed: fail before loading anything
+        from verispec.bench.suites import public_suite_file
+
+        for suite in ANSWER_SUITES:
+            public_suite_file(suite)
     target = load_model(args.model, args.dtype, "cpu", progress=True)
     if target.tokenizer is None:
         raise VerispecError("training heads needs a model with a tokenizer")
