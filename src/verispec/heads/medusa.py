@@ -44,9 +44,12 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h (B, C) final-normed target states -> (B, H, C) states for the LM head, one per future position."""
-        z = torch.einsum("bc,hdc->bhd", h, self.weight) + self.bias                   # (B, H, C)
+    def forward(self, h: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+        """h (B, C) final-normed target states -> (B, H', C) states for the LM head, one per future
+        position, from the first H' = heads (default all) heads: a round drafting K tokens reads only
+        K heads' weights."""
+        n = self.num_heads if heads is None else heads
+        z = torch.einsum("bc,hdc->bhd", h, self.weight[:n]) + self.bias[:n]         # (B, H', C)
         return h[:, None, :] + F.silu(z)
 
 

@@ -41,7 +41,7 @@ class HeadProposer(Proposer):
             return Proposal(tokens, torch.tensor(ks), q, steps={self.name: (0, 0.0)})
         active = [j for j in range(b) if ks[j]]
         h = torch.stack([seqs[j].pending_state for j in active]).float()           # (A, C)
-        g = self.heads(h)[:, :k_max]                                               # (A, K, C)
+        g = self.heads(h, k_max)                                                   # (A, K, C)
         logits = self.target.project(g.to(self.target.dtype), self.vocab)          # (A, K, N)
         for row, j in enumerate(active):
             s, k = seqs[j], ks[j]
