@@ -166,43 +166,45 @@ static inline long tile_at(const kv_view *kv, const int64_t *table, long s0, lon
    h0 … h0+G-1 (G a compile-time constant, so the accumulators live in registers). Scratch w holds
    nr · G score rows of SP floats, then nr · G reciprocal sums. Scores of every row over each key
    tile, a softmax per row and head, then the values tile by tile, then the scaling by 1 / Σ. */
-#define ATTEND_GROUP(G)                                                                          \
-    static void group_##G(const float *q, long q_rs, float *out, long H, const kv_view *kv,        \
-                          const int64_t *table, const int64_t *pos, long r0, long nr, long kh, long h0, \
-                          long D, float scale, float *w, long SP) {                              \
-        float *inv = w + nr * G * SP;                                                            \
-        long pmax = 0, kt = nr > 1 ? KT : kv->bs;                                                                           \
-        for (long i = 0; i < nr; i++) pmax = pos[r0 + i] > pmax ? pos[r0 + i] : pmax;              \
-        for (long i = 0; i < nr; i++)                                                            \
-            memset(out + ((r0 + i) * H + h0) * D, 0, sizeof(float) * G * D);                      \
-        for (long s0 = 0, n, blk, j0; s0 <= pmax; s0 += n) {                                     \
-            n = tile_at(kv, table, s0, pmax, kt, &blk, &j0);                                         \
-            for (long i = 0; i < nr; i++) {                                                      \
-            long p = pos[r0 + i];                                                                \
-            if (p < s0) continue;                                                                \
-            const float *qr[G];                                                                  \
-            for (int g = 0; g < G; g++) qr[g] = q + (r0 + i) * q_rs + (h0 + g) * D;                \
-            score_tile(qr, G, kv, blk, j0, p + 1 - s0 < n ? p + 1 - s0 : n, s0, kh, D, scale,       \
-                       w + i * G * SP, SP);                                                      \
-        }}                                                                                       \
-        for (long i = 0; i < nr; i++)                                                            \
+#define ATTEND_GROUP(G)                                                                                  \
+    static void group_##G(const float *q, long q_rs, float *out, long H, const kv_view *kv,              \
+                          const int64_t *table, const int64_t *pos, long r0, long nr, long kh, long h0,  \
+                          long D, float scale, float *w, long SP) {                                      \
+        float *inv = w + nr * G * SP;                                                                    \
+        long pmax = 0, kt = nr > 1 ? KT : kv->bs;                                                        \
+        for (long i = 0; i < nr; i++) {                                                                  \
+            pmax = pos[r0 + i] > pmax ? pos[r0 + i] : pmax;                                              \
+            memset(out + ((r0 + i) * H + h0) * D, 0, sizeof(float) * G * D);                             \
+        }                                                                                                \
+        for (long s0 = 0, n, blk, j0; s0 <= pmax; s0 += n) {                                             \
+            n = tile_at(kv, table, s0, pmax, kt, &blk, &j0);                                             \
+            for (long i = 0; i < nr; i++) {                                                              \
+                long m = pos[r0 + i] + 1 - s0 < n ? pos[r0 + i] + 1 - s0 : n;   /* this row's part */    \
+                if (m <= 0) continue;                                                                    \
+                const float *qr[G];                                                                      \
+                for (int g = 0; g < G; g++) qr[g] = q + (r0 + i) * q_rs + (h0 + g) * D;                  \
+                score_tile(qr, G, kv, blk, j0, m, s0, kh, D, scale, w + i * G * SP, SP);                 \
+            }                                                                                            \
+        }                                                                                                \
+        for (long i = 0; i < nr; i++)                                                                    \
             for (int g = 0; g < G; g++) inv[i * G + g] = softmax_row(w + (i * G + g) * SP, pos[r0 + i]); \
-        for (long s0 = 0, n, blk, j0; s0 <= pmax; s0 += n) {                                     \
-            n = tile_at(kv, table, s0, pmax, kt, &blk, &j0);                                         \
-            for (long i = 0; i < nr; i++) {                                                      \
-            long p = pos[r0 + i];                                                                \
-            if (p < s0) continue;                                                                \
-            float *o[G];                                                                         \
-            for (int g = 0; g < G; g++) o[g] = out + ((r0 + i) * H + h0 + g) * D;                  \
-            mix_tile(w + i * G * SP, SP, G, kv, blk, j0, p + 1 - s0 < n ? p + 1 - s0 : n, s0, kh, D, o); \
-        }}                                                                                       \
-        for (long i = 0; i < nr; i++)                                                            \
-            for (int g = 0; g < G; g++) {                                                        \
-                float *o = out + ((r0 + i) * H + h0 + g) * D;                                      \
-                long d = 0;                                                                      \
-                for (; d + VL <= D; d += VL) vstore(o + d, vmul(vload(o + d), vset1(inv[i * G + g]))); \
-                for (; d < D; d++) o[d] = o[d] * inv[i * G + g];                                 \
-            }                                                                                    \
+        for (long s0 = 0, n, blk, j0; s0 <= pmax; s0 += n) {                                             \
+            n = tile_at(kv, table, s0, pmax, kt, &blk, &j0);                                             \
+            for (long i = 0; i < nr; i++) {                                                              \
+                long m = pos[r0 + i] + 1 - s0 < n ? pos[r0 + i] + 1 - s0 : n;                            \
+                if (m <= 0) continue;                                                                    \
+                float *o[G];                                                                             \
+                for (int g = 0; g < G; g++) o[g] = out + ((r0 + i) * H + h0 + g) * D;                    \
+                mix_tile(w + i * G * SP, SP, G, kv, blk, j0, m, s0, kh, D, o);                           \
+            }                                                                                            \
+        }                                                                                                \
+        for (long i = 0; i < nr; i++)                                                                    \
+            for (int g = 0; g < G; g++) {                                                                \
+                float *o = out + ((r0 + i) * H + h0 + g) * D;                                            \
+                long d = 0;                                                                              \
+                for (; d + VL <= D; d += VL) vstore(o + d, vmul(vload(o + d), vset1(inv[i * G + g])));   \
+                for (; d < D; d++) o[d] = o[d] * inv[i * G + g];                                         \
+            }                                                                                            \
     }
 ATTEND_GROUP(1) ATTEND_GROUP(2) ATTEND_GROUP(3) ATTEND_GROUP(4)
 ATTEND_GROUP(5) ATTEND_GROUP(6) ATTEND_GROUP(7) ATTEND_GROUP(8)
