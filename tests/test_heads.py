@@ -176,6 +176,7 @@ def test_train_head_refuses_eagle_and_absurd_budgets(capsys):
     assert main(["train-head", "--heads", "0", "--out", "x.safetensors"]) == 2
     assert main(["train-head", "--minutes", "-1", "--out", "x.safetensors"]) == 2
     assert main(["train-head", "--out", str(Path(__file__).parent)]) == 2      # a directory, before any work
+    assert main(["train-head", "--corpus", "/no/such/dir", "--out", "x.safetensors"]) == 2
 
 
 def test_hybrid_with_heads_copies_by_lookup_and_drafts_new_text_with_the_heads(trained):
@@ -215,3 +216,13 @@ def test_the_corpus_puts_the_targets_own_answers_first_and_keeps_to_the_budget(m
     # an answer's 88-token tail is kept, a 40-token answer is not; then whole 512-token windows of text
     assert windows[:3] == [answers[0][:512], answers[0][512:], answers[2]]
     assert [len(w) for w in windows[3:]] == [512, 512] and name == f"answers {tmp_path}"
+
+
+def test_heads_compute_only_the_positions_a_round_drafts():
+    torch.manual_seed(0)
+    heads = MedusaHeads(4, 16, torch.arange(8))
+    with torch.no_grad():
+        heads.weight.normal_(), heads.bias.normal_()
+    h = torch.randn(3, 16)
+    assert heads(h, 2).shape == (3, 2, 16)
+    torch.testing.assert_close(heads(h, 2), heads(h)[:, :2])

@@ -134,6 +134,9 @@ def run(args) -> int:
         raise VerispecError(f"cannot write {out}: {exc.strerror or exc}") from None
     if not os.access(out.parent, os.W_OK) or out.is_dir():
         raise VerispecError(f"cannot write {out}: not a writable file path")
+    missing = [e for e in args.corpus if e not in ("answers", "stdlib") and not Path(e).exists()]
+    if missing:
+        raise VerispecError(f"--corpus: no such file or directory: {', '.join(missing)}")
     if "answers" in args.corpus:             # the prompt sets are installed: fail before loading anything
         from verispec.bench.suites import public_suite_file
 
