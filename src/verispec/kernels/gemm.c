@@ -30,6 +30,9 @@
 #ifndef PF
 #define PF 16           /* prefetch distance in k pairs (16 × 32 bytes ahead of the loads) */
 #endif
+#ifndef PFF
+#define PFF 1024        /* and into L2 1024 pairs (32 KB) ahead: keeps memory busy while several rows compute */
+#endif
 #define CHUNK 256       /* k pairs summed in int32 before converting to fp32 */
 #define QMAX 32767.0f
 
@@ -61,8 +64,10 @@ static inline __m256i pair(const int16_t *p) {
             __m256i acc[NV][MM];                                                                 \
             U for (int v = 0; v < NV; v++) U for (int m = 0; m < MM; m++) acc[v][m] = _mm256_setzero_si256(); \
             for (long p = p0; p < p1; p++) {                                                     \
-                U for (int v = 0; v < NV; v += 2)                                                \
+                U for (int v = 0; v < NV; v += 2) {                                              \
                     _mm_prefetch((const char *)(bp[v] + (p + PF) * 32), _MM_HINT_T0);            \
+                    _mm_prefetch((const char *)(bp[v] + (p + PFF) * 32), _MM_HINT_T1);           \
+                }                                                                                \
                 __m256i wv[NV];                                                                  \
                 U for (int v = 0; v < NV; v++) wv[v] = widen16(bp[v] + p * 32);                  \
                 U for (int m = 0; m < MM; m++) {                                                 \
@@ -149,6 +154,7 @@ static inline __m512i widen32(const int8_t *p) {
                 __m512i wv[NB];                                                                  \
                 U for (int v = 0; v < NB; v++) {                                                 \
                     _mm_prefetch((const char *)(bp[v] + (p + PF) * 32), _MM_HINT_T0);            \
+                    _mm_prefetch((const char *)(bp[v] + (p + PFF) * 32), _MM_HINT_T1);           \
                     wv[v] = widen32(bp[v] + p * 32);                                             \
                 }                                                                                \
                 U for (int m = 0; m < MM; m++) {                                                 \
