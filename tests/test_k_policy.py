@@ -308,6 +308,23 @@ def test_width_ratios_are_measured_once_and_then_read_back(tmp_path, monkeypatch
     assert set(calibrate.width_ratios(model, "tiny", widths=(2, 4), repeats=1)) == {2, 4}
 
 
+def test_a_rebuilt_kernel_is_calibrated_again(tmp_path, monkeypatch):
+    """Ratios measured with one kernel build are not reused with another (a kernel change moves them)."""
+    from conftest import tiny_model
+    from verispec import kernels
+    from verispec.engine import calibrate
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    model = tiny_model(0)
+    machine = kernels.machine()
+    monkeypatch.setattr(kernels, "machine", lambda: {**machine, "kernel_build": "build-a"})
+    calibrate.width_ratios(model, "tiny", widths=(2,), repeats=1)
+    monkeypatch.setattr(calibrate, "pass_costs", lambda *a, **k: {1: 1.0, 2: 1.5})
+    assert calibrate.width_ratios(model, "tiny", widths=(2,)) != {2: 1.5}        # same build: read back
+    monkeypatch.setattr(kernels, "machine", lambda: {**machine, "kernel_build": "build-b"})
+    assert calibrate.width_ratios(model, "tiny", widths=(2,)) == {2: 1.5}        # another build: measured
+
+
 def test_a_calibrated_draft_cost_keeps_a_dear_draft_from_drafting():
     """Without a calibrated c_q a draft model starts as free and speculates until its own steps are
     measured; calibrated at 0.6 of a target pass it does not draft where 70 % acceptance cannot pay."""

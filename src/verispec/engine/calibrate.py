@@ -96,12 +96,13 @@ def draft_step_ratio(target: Transformer, draft: Transformer, key: str, repeats:
 
 
 def _calibrated(key: str, measure) -> dict:
-    """The calibration file's entry for key (with the machine's CPU, kernel build and threads added),
-    or measure() now and store it."""
+    """The calibration file's entry for key (with the machine's CPU, kernel variant and build, and threads
+    added, so that a rebuilt kernel is measured again), or measure() now and store it."""
     from verispec.kernels import machine
 
     info = machine()
-    full_key = "|".join([key, info["cpu_model"], info["kernel"], f"{torch.get_num_threads()} threads"])
+    full_key = "|".join([key, info["cpu_model"], info["kernel"], info["kernel_build"] or "-",
+                         f"{torch.get_num_threads()} threads"])
     path = cache_dir() / "calibration.json"
     try:
         stored = json.loads(path.read_text())

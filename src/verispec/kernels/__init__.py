@@ -80,10 +80,12 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
 
 
 def machine() -> dict:
-    """The CPU model, its vector extensions and the kernel variant in use, for results files."""
+    """The CPU model, its vector extensions and the kernel variant (and build) in use, for results files."""
     model, flags = _cpuinfo()
+    lib = _load()
     return {"cpu_model": model, "cpu_flags": [f for f in ISA_FLAGS if f in flags],
-            "kernel": kernel_status(), "kernel_variant": active_variant()}
+            "kernel": kernel_status(), "kernel_variant": active_variant(),
+            "kernel_build": None if lib is None else lib.build}
 
 
 def supported_variants() -> list[str]:
@@ -113,8 +115,8 @@ def _compiler() -> str | None:
 class NativeKernels:
     """One built variant of gemm.c, opened with ctypes; the module-level functions call the active one."""
 
-    def __init__(self, lib: ctypes.CDLL, variant: str):
-        self.lib, self.variant = lib, variant
+    def __init__(self, lib: ctypes.CDLL, variant: str, build: str = ""):
+        self.lib, self.variant, self.build = lib, variant, build      # build: hash of sources, compiler, flags
         lib.verispec_int8_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
         lib.verispec_int4_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
         lib.verispec_attend_rows.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_void_p] * 2
@@ -174,7 +176,7 @@ def load_variant(name: str) -> NativeKernels:
             raise OSError("built for another variant")
     except (OSError, AttributeError) as err:
         raise RuntimeError(f"loading {lib_path} failed ({err})") from None
-    return NativeKernels(lib, name)
+    return NativeKernels(lib, name, key)
 
 
 @lru_cache(maxsize=1)
