@@ -170,9 +170,35 @@ def test_new_sequences_start_from_what_earlier_ones_learned():
     for slot in range(80):                       # many sequences whose lookups are never accepted
         p.choose(slot, "ngram", remaining=100, greedy=False)
         p.observe(slot, "ngram", 2, 0)
-    assert p.choose(99, "ngram", remaining=100, greedy=False) == 0     # a new one does not even try
+    first = p.choose(99, "ngram", remaining=100, greedy=False)          # a new one tries once …
+    p.observe(99, "ngram", first, 0)
+    assert first == 1 and p.choose(99, "ngram", remaining=100, greedy=False) == 0   # … and stops at a miss
     assert p.choose(98, "ngram", remaining=100, greedy=True) > 0       # greedy has its own prior
     assert p.choose(97, "ngram", remaining=100, greedy=False, reproducible=True) > 0   # fixed prior
+
+
+def test_a_sequence_that_suits_the_source_drafts_after_many_that_did_not():
+    """Heads on code after prose: the shared prior has learned prose's low rate, but a new sequence
+    tries the source on its first round and, accepted, keeps drafting; a variant without the first
+    try waits PROBE_EVERY rounds in plain decoding."""
+    p = KPolicy("auto", k_max=4)
+    p.limit("head", 4)
+    for n in range(1, 6):
+        p.costs.record_verify(n, 1.0 + 0.15 * (n - 1))
+    p.costs.seed_propose("head", 0.03)
+    for slot in range(40):                       # prose: heads rarely right
+        for _ in range(4):
+            k = p.choose(slot, "head", remaining=100)
+            p.observe(slot, "head", k, 0)
+    after_prose = list(p.shared[("head", "greedy")])
+    ks = []
+    for _ in range(8):                           # code: the first head always right
+        k = p.choose(50, "head", remaining=100)
+        ks.append(k)
+        p.observe(50, "head", k, min(k, 1))
+    assert ks[0] == 1 and all(k > 0 for k in ks)
+    p.estimates[(51, "head")] = AcceptanceEstimate(after_prose, cap=4, fresh=False)
+    assert [p.choose(51, "head", remaining=100) for _ in range(8)] == [0] * 8
 
 
 def test_probes_back_off_while_speculation_keeps_not_paying():

@@ -221,6 +221,7 @@ class AcceptanceEstimate:
     probing: bool = False     # the last K > 0 was a probe
     regime: str = "greedy"    # greedy | sampled: which shared prior this sequence feeds
     cap: int | None = None    # the source drafts at most this many tokens: later positions stay 0
+    fresh: bool = True        # no round chosen for this sequence and source yet
 
     def __post_init__(self):
         self.seen = self.seen or [0] * len(self.rates)
@@ -254,12 +255,17 @@ class AcceptanceEstimate:
             self.rates[i] = self.rates[self.reached - 1]
         self._apply_cap()
 
-    def track(self, k: int, may_probe: bool = True) -> int:
-        """Record the chosen K; after probe_every rounds of K = 0 return 1 instead (a probe, when
-        may_probe), doubling the wait after each probe that did not revive speculation."""
+    def track(self, k: int, may_probe: bool = True, probe_now: bool = False) -> int:
+        """Record the chosen K; after probe_every rounds of K = 0 (or at once when probe_now) return 1
+        instead (a probe, when may_probe), doubling the wait after each probe that did not revive
+        speculation."""
+        self.fresh = False
         if k > 0:
             self.probe_every, self.probing = PROBE_EVERY, False
             return k
+        if probe_now and may_probe:
+            self.probing = True
+            return 1
         if self.probing:                     # the probe did not make speculation pay: wait longer
             self.probe_every, self.probing = min(2 * self.probe_every, PROBE_MAX), False
         self.zero_rounds += 1
@@ -316,7 +322,11 @@ class KPolicy:
         # A probe that needs a catch-up must pay off at the prior acceptance rate.
         prior = AcceptanceEstimate.prior(source, 1).rates
         may_probe = not backlog or saving(prior, 1, c_p, c_q, remaining) > catchup
-        return min(est.track(k, may_probe), cap)
+        # A sequence's first round tries the source once when the fixed prior says drafting pays,
+        # even if the shared prior says it does not: that one pools other sequences, perhaps other
+        # kinds of text (prose before code), and the sequence's own rate is learned from one round.
+        first = est.fresh and choose_k(prior, c_p, c_q, 1) > 0
+        return min(est.track(k, may_probe, probe_now=first), cap)
 
     def _estimate(self, slot: int, source: str, greedy: bool = True, use_shared: bool = True) -> AcceptanceEstimate:
         """This sequence's estimate for source, started from the shared prior of its regime (or the
