@@ -70,6 +70,29 @@ def test_a_first_measurement_with_one_off_costs_does_not_lock_the_draft_out():
     assert p.choose(0, "draft", remaining=200) > 0
 
 
+def test_one_stalled_proposer_call_does_not_price_cheap_heads_out():
+    """A first heads round that took half a second (one-off set-up) moved c_q half-way to it and
+    `auto` never drafted again; one timing now counts as at most SPIKE times the estimate, while a
+    source that really is dear is priced at over half its cost within five rounds."""
+    from verispec.engine.k_policy import SPIKE
+
+    p = KPolicy("auto", k_max=4)
+    p.limit("head", 4)
+    for n in range(1, 6):
+        p.costs.record_verify(n, 0.036 * (1 + 0.05 * (n - 1)))
+    p.costs.seed_propose("head", 0.03)
+    p.shared[("head", "greedy")] = [0.4] * p.k_max
+    p.costs.record_propose("head", 3, 0.534)
+    assert p.costs.c_q("head") <= SPIKE * 0.03 * 0.036
+    assert p.choose(0, "head", remaining=100) > 0
+    dear = KPolicy("auto", k_max=4)
+    dear.costs.record_verify(1, 0.036)
+    dear.costs.seed_propose("draft", 0.03)
+    for _ in range(5):
+        dear.costs.record_propose("draft", 1, 0.036)            # really a whole pass per token
+    assert dear.costs.c_q("draft") > 0.5 * 0.036
+
+
 def test_acceptance_estimate_updates_reached_positions_and_extends_the_deepest():
     e = AcceptanceEstimate([0.5] * 4)
     e.update(proposed=4, accepted=1)      # position 0 accepted, 1 rejected, 2-3 never reached

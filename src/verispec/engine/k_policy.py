@@ -49,6 +49,7 @@ SHARED_EMA = 0.05         # weight of one sequence's round in the shared (cross-
 STATIC_SLOPE = 0.2
 STATIC_C_Q = {"draft": 0.4, "head": 0.03}
 CATCHUP_PRIOR = 0.2       # unmeasured catch-up cost per token, as a fraction of the proposer's c_q
+SPIKE = 4.0               # one proposer timing counts as at most this many times the current estimate
 STATIC_CATCHUP = {"draft": 0.1}
 
 
@@ -165,7 +166,10 @@ class CostModel:
         if tokens <= 0:
             return
         n = self.counts[(name, source)] = self.counts.get((name, source), 0) + 1
-        table[source] = _running(table.get(source, prior), seconds / tokens, n)
+        per_token = seconds / tokens
+        if prior > 0:           # a one-off stall (first call, page-in) must not price a source out for
+            per_token = min(per_token, SPIKE * prior)   # good; a really dearer one climbs in a few rounds
+        table[source] = _running(table.get(source, prior), per_token, n)
 
     def c_catchup(self, source: str) -> float:
         return self.catchup.get(source, CATCHUP_PRIOR * self.c_q(source))

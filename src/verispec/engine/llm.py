@@ -12,7 +12,7 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from verispec.engine.engine import Engine, Request, encode_prompt
-from verispec.engine.k_policy import K_MAX, KPolicy
+from verispec.engine.k_policy import K_MAX, STATIC_C_Q, KPolicy
 from verispec.engine.params import SamplingParams
 from verispec.engine.scheduler import Entry
 from verispec.engine.sequence import Sequence
@@ -137,6 +137,7 @@ class LLM:
             policy.costs.seed_propose("draft", self._draft_seed)
         if self.heads is not None:
             policy.limit("head", self.heads.num_heads)
+            policy.costs.seed_propose("head", STATIC_C_Q["head"])     # a few % of a pass (profiled)
         return policy
 
     @staticmethod
