@@ -226,3 +226,25 @@ def test_heads_compute_only_the_positions_a_round_drafts():
     h = torch.randn(3, 16)
     assert heads(h, 2).shape == (3, 2, 16)
     torch.testing.assert_close(heads(h, 2), heads(h)[:, :2])
+
+
+def test_a_sequence_without_a_state_yet_asks_auto_for_nothing():
+    """Before its first round a sequence has no target state, so the heads cannot draft: the proposer
+    says 'none' (alone and as hybrid's fallback) and `auto` spends no first try or probe on it —
+    that wasted try left whole answers in plain decoding."""
+    from types import SimpleNamespace
+
+    from verispec.engine.k_policy import KPolicy
+    from verispec.proposers.head import HeadProposer
+    from verispec.proposers.hybrid import HybridProposer
+
+    target = tiny_text_model(0)
+    proposer = HeadProposer(random_heads(3), target.model)
+    hybrid = HybridProposer(proposer, V)
+    fresh = SimpleNamespace(pending_state=None, tokens=[1, 2, 3], slot=0)
+    ready = SimpleNamespace(pending_state=torch.zeros(C), tokens=[1, 2, 3], slot=0)
+    assert proposer.source_for(fresh) == hybrid.source_for(fresh) == "none"
+    assert proposer.source_for(ready) == hybrid.source_for(ready) == "head"
+    policy = KPolicy("auto")
+    assert policy.choose(0, proposer.source_for(fresh), remaining=50) == 0
+    assert (0, "head") not in policy.estimates                    # its first try is still to come

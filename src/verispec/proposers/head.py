@@ -34,6 +34,11 @@ class HeadProposer(Proposer):
             state = torch.zeros(1, target.config.hidden_size)
             target.project(heads(state, 1).to(target.dtype), self.vocab)
 
+    def source_for(self, seq) -> str:
+        """'none' before the sequence's first round (no state to draft from): `auto` then spends
+        neither a probe nor its first try on a round that cannot draft."""
+        return self.name if seq.pending_state is not None else "none"
+
     @torch.inference_mode()
     def propose(self, seqs, ks):
         t0 = time.perf_counter()

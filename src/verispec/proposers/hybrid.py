@@ -31,9 +31,10 @@ class HybridProposer(Proposer):
         return self.lookups.find(seq)
 
     def source_for(self, seq) -> str:
-        """'ngram:<match length>' when the suffix has a match (see ngram.py), else the fallback's name."""
+        """'ngram:<match length>' when the suffix has a match (see ngram.py), else the fallback's
+        source ('none' when it cannot draft for this sequence now)."""
         n, found = self._lookup(seq)
-        return match_source(n) if found else self.fallback
+        return match_source(n) if found else self.draft.source_for(seq)
 
     def backlog(self, seq) -> int:
         return self.draft.backlog(seq) if self.source_for(seq) == self.fallback else 0
