@@ -248,3 +248,21 @@ def test_a_sequence_without_a_state_yet_asks_auto_for_nothing():
     policy = KPolicy("auto")
     assert policy.choose(0, proposer.source_for(fresh), remaining=50) == 0
     assert (0, "head") not in policy.estimates                    # its first try is still to come
+
+
+def test_the_default_proposer_is_lookup_then_the_targets_shipped_heads(monkeypatch, tmp_path):
+    """With no proposer named, a target that has shipped heads drafts by lookup where the text
+    repeats and with its heads elsewhere (no draft model loaded); one without heads uses lookup."""
+    from verispec.heads import medusa
+
+    target = tiny_text_model(0)
+    assert LLM(target).proposer_name == "ngram"
+    path = tmp_path / "tiny.medusa.safetensors"
+    save_heads(random_heads(3), path, dtype=torch.float32)
+    monkeypatch.setattr(medusa, "shipped_heads", lambda name: path)
+    llm = LLM(target)
+    assert llm.proposer_name == "hybrid" and llm.heads is not None and llm.draft is None
+    greedy = SamplingParams(temperature=0, max_tokens=30)
+    plain = LLM(target, proposer="none").generate(["x = 1"], greedy)[0].token_ids
+    assert llm.generate(["x = 1"], greedy)[0].token_ids == plain
+    assert LLM(target, draft=target).proposer_name == "draft"

@@ -51,10 +51,12 @@ def add_model_args(p) -> None:
                    help="draft model for --proposer draft/hybrid (default: the embedded 0.5B); giving one "
                         "selects --proposer draft")
     p.add_argument("--proposer", default=None, choices=sorted(REGISTRY),
-                   help="how drafts are proposed: draft (a small model), ngram (prompt lookup), hybrid "
-                        "(lookup when it matches, else the draft model), retrieval (lookup in --corpus), "
-                        "none (plain decoding). Default: ngram (measured fastest on CPU), or draft when "
-                        "--draft is given")
+                   help="how drafts are proposed: draft (a small model), ngram (prompt lookup), head "
+                        "(drafting heads on the target), hybrid (lookup when it matches, else the draft "
+                        "model, or the heads with --head), retrieval (lookup in --corpus), none (plain "
+                        "decoding). Default (measured fastest on CPU): lookup, else the heads shipped for "
+                        "the target (hybrid with those heads); ngram for a target without shipped heads; "
+                        "draft when --draft is given")
     p.add_argument("--corpus", action="append", default=None, metavar="PATH",
                    help="text files or directories for --proposer retrieval (repeatable)")
     p.add_argument("--k", type=parse_k, default="auto",

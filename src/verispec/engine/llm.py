@@ -94,12 +94,16 @@ class LLM:
         self.kv_dtype = None if kv_dtype == "auto" else KV_DTYPES[kv_dtype]
         self.target: LoadedModel = _load(model, dtype, device, progress)
         self.tokenizer = self.target.tokenizer
-        if proposer is None:            # measured best on a 2-core CPU: prompt lookup with k="auto"
-            proposer = "draft" if draft is not None else "ngram"
+        default_heads = False
+        if proposer is None:            # measured best on a 2-core CPU (docs/HEADS.md), with k="auto":
+            from verispec.heads.medusa import shipped_heads    # lookup, else the target's shipped heads
+
+            default_heads = draft is None and (head is not None or shipped_heads(self.target.name) is not None)
+            proposer = "draft" if draft is not None else "hybrid" if default_heads else "ngram"
         self.draft: LoadedModel | None = None
         if head is not None and proposer not in ("head", "hybrid"):
             raise VerispecError(f"a heads file drafts for --proposer head or hybrid, not {proposer}")
-        heads_fallback = proposer == "hybrid" and head is not None     # lookup, else the heads
+        heads_fallback = proposer == "hybrid" and (head is not None or default_heads)   # lookup, else the heads
         if proposer in NEEDS_DRAFT and not heads_fallback:
             self.draft = _load(draft if draft is not None else DEFAULT_DRAFT, dtype, device, progress)
             check_vocab_compatible(self.target, self.draft)
