@@ -72,7 +72,7 @@ def c_p_at(c_p: dict[int, float], n: int) -> float:
 
 
 
-def width_ratios(model: Transformer, key: str, widths=CALIBRATION_WIDTHS, repeats: int = 2,
+def width_ratios(model: Transformer, key: str, widths=CALIBRATION_WIDTHS, repeats: int = 3,
                  on_round=None) -> dict[int, float]:
     """c_p(n) / c_p(1) for each width, from the calibration file when it has `key` (with the machine's
     kernel build and threads added), else measured now and stored."""
