@@ -7,7 +7,7 @@ mkdir -p "$R"
 
 # Speculative modes on the bundled suite (12 prompts, 6 categories), greedy and T = 0.7, interleaved,
 # four repeats (about 47 minutes).
-verispec bench --modes ngram,draft,hybrid --ks auto --temperatures 0,0.7 --max-tokens 64 --repeats 4 \
+verispec bench --modes ngram,draft,hybrid,hybrid+head --ks auto --temperatures 0,0.7 --max-tokens 64 --repeats 4 \
     --json $R/bench-suite.json --markdown $R/bench-suite.md --plot $R/plots
 # Every proposer at fixed K = 2 and 4 against auto, one repeat (about 27 minutes).
 verispec bench --modes ngram,draft,hybrid --ks 2,4,auto --temperatures 0,0.7 --max-tokens 64 --repeats 1 \

@@ -224,6 +224,18 @@ def test_a_sequence_that_suits_the_source_drafts_after_many_that_did_not():
     assert [p.choose(51, "head", remaining=100) for _ in range(8)] == [0] * 8
 
 
+def test_a_source_that_must_first_catch_up_gets_no_first_try():
+    """The first try is for sources that draft at once (lookup, heads): a draft model would first
+    prefill the whole prompt, so a new sequence follows the shared prior for it."""
+    p = KPolicy("auto", k_max=4)
+    for n in range(1, 6):
+        p.costs.record_verify(n, 1.0 + 0.05 * (n - 1))
+    p.costs.seed_propose("draft", 0.4)
+    p.shared[("draft", "greedy")] = [0.05] * p.k_max           # the draft never paid before
+    assert p.choose(0, "draft", remaining=100, backlog=80) == 0
+    assert p.choose(1, "draft", remaining=100) == 1            # nothing to catch up on: it tries
+
+
 def test_probes_back_off_while_speculation_keeps_not_paying():
     p = KPolicy("auto", k_max=4)
     p.costs.record_verify(1, 1.0)
