@@ -83,8 +83,8 @@ def machine() -> dict:
     """The CPU model, its vector extensions and the kernel variant (and build) in use, for results files."""
     model, flags = _cpuinfo()
     lib = _load()
-    return {"cpu_model": model, "cpu_flags": [f for f in ISA_FLAGS if f in flags],
-            "kernel": kernel_status(), "kernel_variant": active_variant(),
+    return {"cpu_model": model, "cpu_flags": [f for f in ISA_FLAGS if f in flags], "kernel": _status,
+            "kernel_variant": None if lib is None else lib.variant,
             "kernel_build": None if lib is None else lib.build}
 
 

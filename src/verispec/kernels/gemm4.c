@@ -77,10 +77,10 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
             __m512i isum[MM];                                                                     \
             for (int m = 0; m < MM; m++) isum[m] = _mm512_setzero_si512();                        \
             const uint32_t *wg = wp + (b * G + g) * 64;                                          \
-            _mm_prefetch((const char *)(wg + PF4 * 64), _MM_HINT_T1);                              \
-            _mm_prefetch((const char *)(wg + PF4 * 64 + 16), _MM_HINT_T1);                         \
-            _mm_prefetch((const char *)(wg + PF4 * 64 + 32), _MM_HINT_T1);                         \
-            _mm_prefetch((const char *)(wg + PF4 * 64 + 48), _MM_HINT_T1);                         \
+            _mm_prefetch((const char *)(wg + PF4 * 64), _MM_HINT_T1);                             \
+            _mm_prefetch((const char *)(wg + PF4 * 64 + 16), _MM_HINT_T1);                        \
+            _mm_prefetch((const char *)(wg + PF4 * 64 + 32), _MM_HINT_T1);                        \
+            _mm_prefetch((const char *)(wg + PF4 * 64 + 48), _MM_HINT_T1);                        \
             for (int j = 0; j < 4; j++) {                                                         \
                 __m512i d = _mm512_loadu_si512((const void *)(wg + 16 * j));                      \
                 __m512i lo = _mm512_and_si512(d, lo4), hi = _mm512_and_si512(_mm512_srli_epi32(d, 4), lo4); \
@@ -115,8 +115,8 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
                 __m256i isum[MM];                                                                 \
                 for (int m = 0; m < MM; m++) isum[m] = _mm256_setzero_si256();                    \
                 const uint32_t *wg = wp + (b * G + g) * 64 + 8 * h;                              \
-                _mm_prefetch((const char *)(wg + PF4 * 64), _MM_HINT_T1);                          \
-                _mm_prefetch((const char *)(wg + PF4 * 64 + 32), _MM_HINT_T1);                     \
+                _mm_prefetch((const char *)(wg + PF4 * 64), _MM_HINT_T1);                         \
+                _mm_prefetch((const char *)(wg + PF4 * 64 + 32), _MM_HINT_T1);                    \
                 for (int j = 0; j < 4; j++) {                                                     \
                     __m256i d = _mm256_loadu_si256((const __m256i *)(wg + 16 * j));               \
                     __m256i lo = _mm256_and_si256(d, lo4), hi = _mm256_and_si256(_mm256_srli_epi32(d, 4), lo4); \
