@@ -33,7 +33,6 @@ def run(args) -> int:
     from verispec.kernels import machine
     from verispec.loaders.builtin import DEFAULT_DRAFT
     from verispec.engine.loading import load_model
-    from verispec.proposers.ngram import lookup
 
     if not 2 <= args.max_n <= 64 or args.context < 1 or args.repeats < 1:
         raise VerispecError("--max-n must be in 2 … 64, --context and --repeats positive")
@@ -62,11 +61,7 @@ def run(args) -> int:
         heads_path = shipped_heads(target.name)
     if heads_path is not None:
         c_q["head"] = _head_cost(target, heads_path)
-    tokens = list(range(50)) * (args.context // 50 + 1)
-    t = time.perf_counter()
-    for _ in range(100):
-        lookup(tokens, 8)
-    c_q["ngram"] = (time.perf_counter() - t) / 100
+    c_q["ngram"] = _lookup_cost(target.tokenizer, args.context)
     print(f"target {target.name} ({args.dtype}), draft {draft.name}, context {args.context}")
     print(machine_line(machine()))
     print(f"{'n':>3} {'c_p(n) ms':>10} {'c_p(n)/c_p(1)':>14}")
@@ -113,3 +108,30 @@ def _head_cost(target, path, repeats: int = 30) -> float:
         proposer.propose([seq], [heads.num_heads])
         times.append(time.perf_counter() - t)
     return statistics.median(times[3:]) / heads.num_heads
+
+
+def _lookup_cost(tokenizer, context: int, rounds: int = 200) -> float:
+    """Seconds per round of prompt lookup at `context` tokens, as a round pays it: the sequence's
+    index is kept up to date incrementally (a round commits a few tokens), then one search for a
+    64-token continuation. The text is Python source repeated (a long copy: every suffix matches,
+    the searches run long); the median of `rounds`."""
+    import inspect
+    import json.decoder
+    import json.encoder
+    import statistics
+
+    from verispec.proposers.match_index import MatchIndex
+
+    source = inspect.getsource(json.decoder) + inspect.getsource(json.encoder)
+    unit = tokenizer.encode(source) if tokenizer is not None else list(range(3000))
+    tokens = (unit * ((context + 4 * rounds) // len(unit) + 1))[: context + 4 * rounds]
+    seq = tokens[:context]
+    index = MatchIndex()
+    index.extend(seq)
+    times = []
+    for r in range(rounds):
+        seq.extend(tokens[len(seq): len(seq) + 4])
+        t = time.perf_counter()
+        index.find(seq, 64)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
