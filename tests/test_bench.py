@@ -59,6 +59,29 @@ def test_speedup_is_the_median_of_ratios_paired_by_repeat():
     assert row["speedup_per_repeat"] == pytest.approx([1.1, 1.1, 0.6])
 
 
+def test_decode_speedup_leaves_out_the_prefill_and_the_first_round():
+    """llama.cpp reports its eval speed apart from the prompt's: the decode figures count the tokens
+    after the first round over the time after it. Here both modes prefill for 2 s; the mode decodes
+    its 9 later tokens in 0.5 s against plain's 1 s (2x), while the whole-run ratio is diluted to 1.2x;
+    its first round emitted 3 tokens, which the decode rate leaves out."""
+    from verispec.bench.run import Mode, summarize
+
+    def run(mode, wall, decode, first, tokens):
+        return {"prompt": "a", "category": "x", "mode": mode, "temperature": 0.0, "batch_size": 1,
+                "repeat": 0, "wall_s": wall, "generated_tokens": tokens, "token_ids": [1], "spec": None,
+                "prefill_s": wall - decode, "decode_s": decode, "first_tokens": first}
+
+    runs = [run("plain", 3.0, 1.0, 1, 10), run("peer", 2.5, 0.5, 3, 12)]
+    rows = summarize(runs, [Mode("none", 0), _PeerMode()], costs={})
+    row = next(r for r in rows if r["mode"] == "peer" and r["category"] == "all")
+    assert row["speedup"] == pytest.approx((12 / 2.5) / (10 / 3.0))
+    assert row["decode_tokens_per_s"] == pytest.approx(9 / 0.5)
+    assert row["decode_speedup"] == pytest.approx(2.0)
+    del runs[1]["decode_s"]                          # a peer that does not record its phases
+    row = next(r for r in summarize(runs, [Mode("none", 0), _PeerMode()], costs={}) if r["mode"] == "peer")
+    assert row["decode_speedup"] is None and row["speedup"] is not None
+
+
 class _PeerMode:
     label, proposer, k = "peer", "peer", 0
 

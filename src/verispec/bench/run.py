@@ -102,7 +102,8 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
                                          "temperature": temp, "batch_size": bs, "repeat": rep,
                                          "wall_s": wall / len(group), "batch_wall_s": wall,
                                          "generated_tokens": o.generated_tokens, "token_ids": o.token_ids,
-                                         "spec": o.spec})
+                                         "prefill_s": o.prefill_s, "decode_s": o.decode_s,
+                                         "first_tokens": o.first_tokens, "spec": o.spec})
                         done += len(group)
                         _progress(progress, done, total, temp, bs, mode.label, prompts[group[0]].id)
                     for peer in peers:
@@ -147,7 +148,6 @@ def summarize(runs: list[dict], modes: list[Mode], costs: dict) -> list[dict]:
         cats = sorted({r["category"] for r in sel}) + ["all"]
         for cat in cats:
             in_cat = [r for r in sel if cat == "all" or r["category"] == cat]
-            plain = _rate(in_cat, "plain")
             for mode in modes:
                 mine = [r for r in in_cat if r["mode"] == mode.label]
                 if not mine:
@@ -157,6 +157,10 @@ def summarize(runs: list[dict], modes: list[Mode], costs: dict) -> list[dict]:
                 row = {"temperature": temp, "batch_size": bs, "category": cat, "mode": mode.label,
                        "tokens_per_s": rate, "speedup": statistics.median(ratios) if ratios else None,
                        "speedup_per_repeat": ratios}
+                if bs == 1:                    # one sequence at a time: its first token splits its time
+                    decode = _paired_ratios(in_cat, mode.label, decode=True)
+                    row |= {"decode_tokens_per_s": _rate(in_cat, mode.label, decode=True),
+                            "decode_speedup": statistics.median(decode) if decode else None}
                 if mode.proposer not in ("none", "peer"):
                     row |= _spec_summary(mine, mode, costs)
                 if mode.proposer != "none" and temp == 0:
@@ -167,27 +171,34 @@ def summarize(runs: list[dict], modes: list[Mode], costs: dict) -> list[dict]:
     return rows
 
 
-def _rates_per_repeat(runs: list[dict], label: str) -> dict[int, float]:
-    """repeat -> tokens / seconds, both summed over that repeat's prompts."""
+def _rates_per_repeat(runs: list[dict], label: str, decode: bool = False) -> dict[int, float]:
+    """repeat -> tokens / seconds, both summed over that repeat's prompts. decode: the decode phase
+    only, as llama.cpp reports its eval speed — the tokens after those of the first round, over the
+    time from the first round's end to the last token (prefill and the first round left out);
+    nothing for runs that do not record it (peers)."""
     per_repeat = {}
     for r in runs:
-        if r["mode"] == label:
-            tok, sec = per_repeat.get(r["repeat"], (0, 0.0))
-            per_repeat[r["repeat"]] = (tok + r["generated_tokens"], sec + r["wall_s"])
+        if r["mode"] != label:
+            continue
+        if decode and r.get("decode_s") is None:
+            return {}
+        tok, sec = per_repeat.get(r["repeat"], (0, 0.0))
+        per_repeat[r["repeat"]] = ((tok + r["generated_tokens"] - r["first_tokens"], sec + r["decode_s"]) if decode
+                                   else (tok + r["generated_tokens"], sec + r["wall_s"]))
     return {rep: t / s for rep, (t, s) in per_repeat.items() if s > 0}
 
 
-def _rate(runs: list[dict], label: str) -> float | None:
+def _rate(runs: list[dict], label: str, decode: bool = False) -> float | None:
     """Median over repeats of (tokens / seconds) summed over the prompts of that repeat."""
-    rates = list(_rates_per_repeat(runs, label).values())
+    rates = list(_rates_per_repeat(runs, label, decode).values())
     return statistics.median(rates) if rates else None
 
 
-def _paired_ratios(runs: list[dict], label: str) -> list[float]:
+def _paired_ratios(runs: list[dict], label: str, decode: bool = False) -> list[float]:
     """Per repeat, this mode's rate ÷ plain's rate over the same prompts of the same repeat (the two ran
     interleaved, prompt by prompt): a pair shares the machine's state at that time, so drift between
     repeats cancels. The reported speedup is the median of these."""
-    mine, plain = _rates_per_repeat(runs, label), _rates_per_repeat(runs, "plain")
+    mine, plain = _rates_per_repeat(runs, label, decode), _rates_per_repeat(runs, "plain", decode)
     return [mine[rep] / plain[rep] for rep in sorted(mine) if rep in plain]
 
 
@@ -249,13 +260,13 @@ def format_table(result: dict) -> str:
     c = result["costs"]
     lines = ["measured costs: " + ", ".join(f"c_p({n})={v * 1e3:.0f}ms" for n, v in c["c_p"].items())
              + (f", c_q={c['c_q_draft'] * 1e3:.0f}ms (draft/target {c['draft_to_target']:.2f})" if c["c_q_draft"] else "")]
-    hdr = f"{'T':>4} {'bs':>3} {'category':<14} {'mode':<16} {'tok/s':>7} {'speedup':>8} {'range':>9} {'acct':>6} {'pred':>6} {'accept':>7} {'tau':>5} {'pred_tau':>8} {'alpha':>6} {'same':>5}"
+    hdr = f"{'T':>4} {'bs':>3} {'category':<14} {'mode':<16} {'tok/s':>7} {'speedup':>8} {'range':>9} {'decode':>7} {'acct':>6} {'pred':>6} {'accept':>7} {'tau':>5} {'pred_tau':>8} {'alpha':>6} {'same':>5}"
     lines += [hdr, "-" * len(hdr)]
     f = lambda v, fmt: (fmt % v) if isinstance(v, (int, float)) else "-"
     for r in result["summary"]:
         lines.append(f"{r['temperature']:>4} {r['batch_size']:>3} {r['category']:<14} {r['mode']:<16} "
                      f"{f(r['tokens_per_s'], '%.2f'):>7} {f(r['speedup'], '%.2fx'):>8} {speedup_range(r):>9} "
-                     f"{f(r.get('accounted_speedup'), '%.2fx'):>6} {f(r.get('predicted_speedup'), '%.2fx'):>6} "
+                     f"{f(r.get('decode_speedup'), '%.2fx'):>7} {f(r.get('accounted_speedup'), '%.2fx'):>6} {f(r.get('predicted_speedup'), '%.2fx'):>6} "
                      f"{f(r.get('acceptance_rate'), '%.0f%%' if False else '%.2f'):>7} {f(r.get('tau'), '%.2f'):>5} "
                      f"{f(r.get('predicted_tau'), '%.2f'):>8} {f(r.get('alpha'), '%.2f'):>6} "
                      f"{str(r.get('identical_to_plain', '-')):>5}")
@@ -289,13 +300,15 @@ def format_markdown(result: dict) -> str:
             "prompts in the same repeat; range: the lowest and highest of those per-repeat ratios. accounted: "
             "the speedup from counts — plain's c_p(1) per token produced over Σ c_p(K+1) per round plus the "
             "proposer's seconds, with the c_p above (free of the machine's drift between runs; see "
-            "`accounted_speedup`). predicted: from α and a fixed K.", "",
-            "| T | batch | category | mode | tok/s | speedup | range | accounted | predicted | acceptance | τ | predicted τ | α | same as plain |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "`accounted_speedup`). predicted: from α and a fixed K. decode: the decode phase alone, as llama.cpp "
+            "reports its eval speed — tokens after the first round over the time after it (batch 1 only).", "",
+            "| T | batch | category | mode | tok/s | speedup | range | decode tok/s | decode speedup | accounted | predicted | acceptance | τ | predicted τ | α | same as plain |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     f = lambda v, fmt: (fmt % v) if isinstance(v, (int, float)) else "–"
     for r in result["summary"]:
         out.append(f"| {r['temperature']} | {r['batch_size']} | {r['category']} | {r['mode']} | "
                    f"{f(r['tokens_per_s'], '%.2f')} | {f(r['speedup'], '%.2fx')} | {speedup_range(r)} | "
+                   f"{f(r.get('decode_tokens_per_s'), '%.2f')} | {f(r.get('decode_speedup'), '%.2fx')} | "
                    f"{f(r.get('accounted_speedup'), '%.2fx')} | {f(r.get('predicted_speedup'), '%.2fx')} | "
                    f"{f(r.get('acceptance_rate'), '%.2f')} | {f(r.get('tau'), '%.2f')} | {f(r.get('predicted_tau'), '%.2f')} | "
                    f"{f(r.get('alpha'), '%.2f')} | {r.get('identical_to_plain', '–')} |")

@@ -217,7 +217,7 @@ class Engine:
             self.scheduler.committed(e, len(s.tokens) - 1)
             new = s.generated[n0:]
             if (new or s.finished) and e.first_token is None:
-                e.first_token = now
+                e.first_token, e.first_count = now, len(new)
                 self.stats.ttft.append(now - e.arrival)
             self._send(e, new)
         for e in entries:                  # after every update went out (a request may finish whole)

@@ -6,7 +6,7 @@ import itertools
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
 import torch
@@ -54,15 +54,17 @@ class RequestOutput:
     generated_tokens: int
     prefill_s: float          # start → first generated token (time to first token)
     decode_s: float           # first token → last token
-    tokens_per_s: float | None  # (generated_tokens − 1) / decode_s
+    tokens_per_s: float | None  # decode speed: tokens after the first round's / decode_s
     spec: dict
     cached_tokens: int = 0    # prompt tokens whose keys and values a Session already held (not prefilled)
+    first_tokens: int = 1     # tokens committed with the first (a speculative first round emits several)
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated_tokens, "finish_reason": self.finish_reason,
                 "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
-                "tokens_per_s": self.tokens_per_s, "cached_tokens": self.cached_tokens, "spec": self.spec}
+                "tokens_per_s": self.tokens_per_s, "cached_tokens": self.cached_tokens,
+                "first_tokens": self.first_tokens, "spec": self.spec}
 
 
 class LLM:
@@ -307,12 +309,13 @@ class LLM:
         t_first = e.first_token or t_end
         count = len(s.generated)
         decode_s = t_end - t_first
+        first = min(e.first_count, count) if e.first_token is not None else count
         text = s.text if self.tokenizer is not None else None
         return RequestOutput(s.index // n, s.prompt_ids, s.generated, text, s.finish_reason or "abort",
                              len(s.prompt_ids), count, t_first - t_start, decode_s,
-                             (count - 1) / decode_s if count > 1 and decode_s > 0 else None,
+                             (count - first) / decode_s if count > first and decode_s > 0 else None,
                              s.metrics.to_dict() if self.proposer_name != "none" else {"proposer": "none"},
-                             e.cached)
+                             e.cached, first)
 
 
 def _format_key(m: LoadedModel) -> str:

@@ -32,6 +32,7 @@ class Entry:
     cached: int = 0               # prompt tokens found in the prefix cache at (the last) admission
     leader: "Entry | None" = None  # the first sample of the same prompt (n > 1): its prefill is shared
     first_token: float | None = None   # when the first generated token (or the finish) was committed
+    first_count: int = 0               # tokens committed then (a speculative first round emits several)
     done: float | None = None          # when the sequence finished
 
     @property
