@@ -236,6 +236,23 @@ def test_a_source_that_must_first_catch_up_gets_no_first_try():
     assert p.choose(1, "draft", remaining=100) == 1            # nothing to catch up on: it tries
 
 
+def test_a_missed_first_try_leaves_the_probe_schedule_as_it_was():
+    """The first try is not a probe: after it misses, the first probe still comes after 16 rounds of
+    K = 0, not after the 32 a failed probe would earn."""
+    p = KPolicy("auto", k_max=4)
+    for n in range(1, 6):
+        p.costs.record_verify(n, 1.0 + 0.1 * (n - 1))
+    for slot in range(80):                       # lookups that are never accepted
+        p.choose(slot, "ngram", remaining=1000, greedy=False)
+        p.observe(slot, "ngram", 2, 0)
+    ks = []
+    for _ in range(1 + 16 + 1):
+        k = p.choose(99, "ngram", remaining=1000, greedy=False)
+        p.observe(99, "ngram", k, 0)
+        ks.append(k)
+    assert ks[0] == 1 and ks[1:16] == [0] * 15 and ks[16] == 1     # the try, 15 zero rounds, the probe
+
+
 def test_probes_back_off_while_speculation_keeps_not_paying():
     p = KPolicy("auto", k_max=4)
     p.costs.record_verify(1, 1.0)

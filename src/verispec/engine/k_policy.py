@@ -267,8 +267,7 @@ class AcceptanceEstimate:
         if k > 0:
             self.probe_every, self.probing = PROBE_EVERY, False
             return k
-        if probe_now and may_probe:
-            self.probing = True
+        if probe_now and may_probe:          # a first try: a miss does not lengthen the wait for probes
             return 1
         if self.probing:                     # the probe did not make speculation pay: wait longer
             self.probe_every, self.probing = min(2 * self.probe_every, PROBE_MAX), False

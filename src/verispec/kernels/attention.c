@@ -48,9 +48,9 @@ typedef __m256 vec;
 #define KT 32
 
 /* G ≤ GMAX query vectors qr[g] (each D floats) against positions s0 … s0+n-1, which sit at offsets
-   j0 … j0+n-1 of block blk: w[g·SP + s] = scale · q_g · k_s (int8 keys: k_s dequantized a vector at a
+   j0 … j0+n-1 of block blk, one key at a time (head sizes that are not a multiple of VL): w[g·SP + s] = scale · q_g · k_s (int8 keys: k_s dequantized a vector at a
    time, k8 · its group's scale). */
-static inline __attribute__((always_inline)) void score_tile(const float *const *qr, const int G, const kv_view *kv,
+static inline __attribute__((always_inline)) void score_keys_each(const float *const *qr, const int G, const kv_view *kv,
                                                              long blk, long j0, long n, long s0, long kh, long D,
                                                              float scale, float *w, long SP) {
     const float *kb = (const float *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
@@ -84,6 +84,114 @@ static inline __attribute__((always_inline)) void score_tile(const float *const 
             for (long dd = d; dd < D; dd++) v = fmaf(qr[g][dd], k[dd], v);
             w[g * SP + s0 + j] = v * scale;
         }
+    }
+}
+
+#if defined(__AVX512F__)
+/* VL accumulators, one per key -> one vector of their sums (key j in lane j). Lanes are paired in
+   vsum's tree — lane i with i + 8, then with i + 4, + 2, + 1 (GCC's _mm512_reduce_add_ps) — so a
+   key's score has the same bits reduced alone or with 15 others. */
+static inline __attribute__((always_inline)) vec reduce_keys(const vec *a) {
+    vec b[8], c[4], e[2];
+    for (int m = 0; m < 8; m++)              /* lanes i + (i + 8); keys 2m, 2m+1 in halves */
+        b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+    for (int m = 0; m < 4; m++)              /* + 4 lanes on; keys 4m … 4m+3 in 128-bit chunks */
+        c[m] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0xDD));
+    for (int m = 0; m < 2; m++)              /* [0] + [2], [1] + [3] */
+        e[m] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * m], c[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(c[2 * m], c[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    vec f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));   /* lane 4c + m: key 4m + c */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
+}
+static inline void store_keys(float *w, vec s, long cnt) { _mm512_mask_storeu_ps(w, (__mmask16)((1u << cnt) - 1), s); }
+#else
+/* The same for 8 keys in hsum's tree: lane i with i + 4, then pairs (0, 1), (2, 3), then the two. */
+static inline __attribute__((always_inline)) vec reduce_keys(const vec *a) {
+    vec b[4], c[2];
+    for (int m = 0; m < 4; m++)              /* lanes i + (i + 4); keys 2m, 2m+1 in halves */
+        b[m] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * m], a[2 * m + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * m], a[2 * m + 1], 0x31));
+    for (int m = 0; m < 2; m++)              /* [0] + [1], [2] + [3] */
+        c[m] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm256_shuffle_ps(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    vec f = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));   /* lane 4h + m: key 2m + h */
+    return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+static inline void store_keys(float *w, vec s, long cnt) {
+    _mm256_maskstore_ps(w, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), s);
+}
+#endif
+
+/* Into L1: the keys at offsets j0 … j0+n-1 of block blk (float or int8 rows). A group of VL keys is
+   read head by head, each key row in D / VL pieces, a pattern the hardware prefetcher follows less
+   well than one key row after another; so the next group is fetched ahead. */
+static inline void prefetch_keys(const kv_view *kv, long blk, long j0, long n, long kh, long D) {
+    long size = kv->ks ? 1 : (long)sizeof(float);
+    const char *p = (const char *)kv->k + size * (blk * kv->blk_stride + kh * kv->head_stride + j0 * D);
+    for (long off = 0; off < n * D * size; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+/* G query vectors against VL keys, rows of D floats at k (D a multiple of VL): the scores of the
+   first cnt keys go to w[g·SP + s0 …]. Per key and head the same operations as score_keys_each —
+   lane partial sums over d in order, then vsum's tree — but each head's query vector is read once
+   per VL keys and the VL keys are reduced together, where one key at a time re-reads G query
+   vectors per key vector and reduces every (key, head) alone. With D a constant (the callers pass
+   64 and 128 literally) the key rows sit at fixed offsets from one pointer. */
+static inline __attribute__((always_inline)) void score_keys(const float *const *qr, const int G, const float *k,
+                                                             long cnt, const long D, float scale, float *w, long SP,
+                                                             long s0) {
+    for (int g = 0; g < G; g++) {
+        vec acc[VL];
+        for (int j = 0; j < VL; j++) acc[j] = vzero();
+        for (long d = 0; d < D; d += VL) {
+            vec qv = vload(qr[g] + d);
+            for (int j = 0; j < VL; j++) acc[j] = vfma(qv, vload(k + j * D + d), acc[j]);
+        }
+        store_keys(w + g * SP + s0, vmul(reduce_keys(acc), vset1(scale)), cnt);
+    }
+}
+
+/* G ≤ GMAX query vectors qr[g] (each D floats) against positions s0 … s0+n-1, which sit at offsets
+   j0 … j0+n-1 of block blk: w[g·SP + s] = scale · q_g · k_s, VL keys at a time. A short last group
+   and int8 keys (dequantized, k8 · its group's scale, exactly as score_keys_each does) go through a
+   small buffer first, zero rows padding the group. */
+static inline __attribute__((always_inline)) void score_tile(const float *const *qr, const int G, const kv_view *kv,
+                                                             long blk, long j0, long n, long s0, long kh, long D,
+                                                             float scale, float *w, long SP) {
+    if (D % VL) {
+        score_keys_each(qr, G, kv, blk, j0, n, s0, kh, D, scale, w, SP);
+        return;
+    }
+    const float *kb = (const float *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
+    const int8_t *kb8 = (const int8_t *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
+    const float *ksb = kv->ks ? kv->ks + blk * kv->sc_blk_stride + kh * kv->sc_head_stride : NULL;
+    float buf[VL * D];
+    for (long j = 0; j < n; j += VL) {
+        long cnt = n - j < VL ? n - j : VL;
+        const float *k = kb + (j0 + j) * D;
+        if (j + VL < n) prefetch_keys(kv, blk, j0 + j + VL, n - j - VL < VL ? n - j - VL : VL, kh, D);
+        if (ksb || cnt < VL) {
+            for (long r = 0; r < VL; r++)
+                for (long d = 0; d < D; d += VL) {
+                    vec x = vzero();
+                    if (r < cnt && ksb)
+                        x = vmul(vload8(kb8 + (j0 + j + r) * D + d), vset1(ksb[(j0 + j + r) * (D / kv->sg) + d / kv->sg]));
+                    else if (r < cnt)
+                        x = vload(k + r * D + d);
+                    vstore(buf + r * D + d, x);
+                }
+            k = buf;
+        }
+        if (D == 128)
+            score_keys(qr, G, k, cnt, 128, scale, w, SP, s0 + j);
+        else if (D == 64)
+            score_keys(qr, G, k, cnt, 64, scale, w, SP, s0 + j);
+        else
+            score_keys(qr, G, k, cnt, D, scale, w, SP, s0 + j);
     }
 }
 
@@ -178,6 +286,10 @@ static inline long tile_at(const kv_view *kv, const int64_t *table, long s0, lon
         }                                                                                                \
         for (long s0 = 0, n, blk, j0; s0 <= pmax; s0 += n) {                                             \
             n = tile_at(kv, table, s0, pmax, kt, &blk, &j0);                                             \
+            if (s0 + n <= pmax) {                       /* the next tile's first keys */                 \
+                long nblk, nj0, nn = tile_at(kv, table, s0 + n, pmax, kt, &nblk, &nj0);                  \
+                prefetch_keys(kv, nblk, nj0, nn < VL ? nn : VL, kh, D);                                  \
+            }                                                                                            \
             for (long i = 0; i < nr; i++) {                                                              \
                 long m = pos[r0 + i] + 1 - s0 < n ? pos[r0 + i] + 1 - s0 : n;   /* this row's part */    \
                 if (m <= 0) continue;                                                                    \
