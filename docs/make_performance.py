@@ -364,6 +364,11 @@ def longcopy_section(bench: dict | None) -> list[str]:
         hist = runs[0]["spec"].get("k_histogram", {})
         out += ["", "K per round (ngram, auto): " + ", ".join(f"K = {k}: {n}" for k, n in
                                                             sorted(hist.items(), key=lambda kv: int(kv[0]))), ""]
+        by = runs[0]["spec"].get("by_source")
+        if by:
+            out += ["Rounds by lookup match length (`spec.by_source`): " + ", ".join(
+                f"{name}: {v['rounds']} rounds, K {v['proposed'] / v['rounds']:.1f} on average, "
+                f"{f(v['acceptance_rate'])} accepted" for name, v in by.items()), ""]
     return out + [""]
 
 

@@ -125,6 +125,12 @@ def test_hybrid_uses_both_sources_and_stays_exact_when_sampling(pair):
     out = LLM(target, draft=draft, proposer="hybrid", k=3).generate(repetitive + PROMPTS, greedy(24))
     sources = set().union(*(o.spec["rounds_by_source"] for o in out))
     assert sources == {"ngram", "draft"}
+    for o in out:                    # the full sources (lookup by match length) add up to the totals
+        by = o.spec["by_source"]
+        assert all(name == "draft" or name.startswith("ngram:") for name in by)
+        assert sum(v["rounds"] for v in by.values()) == sum(o.spec["rounds_by_source"].values())
+        assert sum(v["proposed"] for v in by.values()) == o.spec["proposed"]
+        assert sum(v["accepted"] for v in by.values()) == o.spec["accepted"]
     assert [o.token_ids for o in out] == plain_outputs_for(target, repetitive + PROMPTS, greedy(24))
 
 

@@ -7,6 +7,8 @@
   prefix was the true one (every accepted draft plus the first rejected one). Greedy: p, q are
   point masses at their argmax, so the overlap is 1 when the argmaxes agree.
 - predicted_tokens_per_round = (1 − α^{K+1}) / (1 − α)
+- by_source: rounds, proposed and accepted drafts per full source label ('ngram:16+', 'head', …):
+  for lookup, a histogram of match lengths with each bucket's acceptance
 """
 
 from __future__ import annotations
@@ -31,8 +33,13 @@ class SpecMetrics:
     other_s: float = 0.0
     k_histogram: dict[int, int] = field(default_factory=dict)
     sources: dict[str, int] = field(default_factory=dict)   # rounds with drafts, by proposer source
+    by_source: dict[str, list[int]] = field(default_factory=dict)   # full source label -> [rounds, proposed, accepted]
 
-    def record_round(self, k: int, accepted: int, emitted: int, overlaps: list[float]) -> None:
+    def record_round(self, k: int, accepted: int, emitted: int, overlaps: list[float],
+                     source: str | None = None) -> None:
+        if k and source is not None:
+            counts = self.by_source.setdefault(source, [0, 0, 0])
+            counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + k, counts[2] + accepted
         self.rounds += 1
         self.proposed += k
         self.accepted += accepted
@@ -68,6 +75,10 @@ class SpecMetrics:
             self.k_histogram[k] = self.k_histogram.get(k, 0) + v
         for name, v in other.sources.items():
             self.sources[name] = self.sources.get(name, 0) + v
+        for name, counts in other.by_source.items():
+            mine = self.by_source.setdefault(name, [0, 0, 0])
+            for i, c in enumerate(counts):
+                mine[i] += c
 
     @property
     def drafting_rounds(self) -> int:
@@ -103,6 +114,8 @@ class SpecMetrics:
             "predicted_tokens_per_round": predicted,
             "k_histogram": {str(k): v for k, v in sorted(self.k_histogram.items())},
             "rounds_by_source": dict(self.sources),
+            "by_source": {name: {"rounds": r, "proposed": p, "accepted": a, "acceptance_rate": a / p if p else None}
+                          for name, (r, p, a) in sorted(self.by_source.items())},
             "draft_s": round(self.draft_s, 6),
             "verify_s": round(self.verify_s, 6),
             "other_s": round(self.other_s, 6),

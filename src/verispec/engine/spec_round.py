@@ -52,6 +52,7 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
 
     # 4. Commit: append emitted tokens one by one (stops cut exactly where plain decoding would),
     #    then move the target's length pointer; rejected cache entries are simply left behind.
+    sources = proposal.source or [proposer.name] * len(seqs)
     for b, s in enumerate(seqs):
         n = int(result.num_accepted[b])
         emitted = result.emitted(b)
@@ -65,12 +66,11 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
             s.pending_state = states[b, n].clone()
         verified = min(n + 1, num_draft[b])
         overlaps = result.overlap[b, :verified].tolist() if result.overlap is not None else []
-        s.metrics.record_round(num_draft[b], n, appended, overlaps)
+        s.metrics.record_round(num_draft[b], n, appended, overlaps, sources[b])
 
     # 5. Hear back: the proposer rolls its own state back to the committed tokens.
     proposer.observe(seqs, result.num_accepted.tolist())
     t3 = time.perf_counter()
-    sources = proposal.source or [proposer.name] * len(seqs)
     for s, src, k in zip(seqs, sources, num_draft):
         s.metrics.draft_s += t1 - t0
         s.metrics.verify_s += t2 - t1
