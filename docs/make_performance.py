@@ -105,6 +105,9 @@ def suite_section(bench: dict | None) -> list[str]:
                    f(r.get("alpha")), same(r)] for r in rows])
     out += ["", "### By category (speedup vs plain)", ""]
     out += category_table(bench, lambda r: f(r["speedup"], "%.2fx"))
+    if any(r.get("decode_speedup") for r in bench["summary"]):
+        out += ["", "### By category, decode phase (prefill and first round left out, as llama.cpp reports)", ""]
+        out += category_table(bench, lambda r: f(r.get("decode_speedup"), "%.2fx"))
     out += ["", "### By category, accounted (speedup from counts: see below)", ""]
     out += category_table(bench, lambda r: f(r["accounted_speedup"], "%.2fx") if r.get("accounted_speedup") else None)
     modes = [m for m in dict.fromkeys(r["mode"] for r in bench["summary"]) if m != "plain"]
