@@ -125,6 +125,22 @@ class BlockPool:
                     self.free.append(b)
         self.registered.pop(slot, None)
 
+    def take_free(self, n: int) -> list[int] | None:
+        """n blocks for a temporary holder (a fork of one round), only from the never-hashed free list,
+        so no cached prefix is evicted for it; None (nothing taken) when there are fewer."""
+        if n > len(self.free):
+            return None
+        blocks = [self.free.pop() for _ in range(n)]
+        for b in blocks:
+            self.refs[b] = 1
+        return blocks
+
+    def give_back(self, blocks: list[int]) -> None:
+        """Return blocks from take_free."""
+        for b in blocks:
+            del self.refs[b]
+            self.free.append(b)
+
     def evict_cached(self) -> None:
         """Forget every registered block no sequence holds (they become plain free blocks)."""
         while self.cached:

@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 
 from verispec.engine.block_pool import BlockPool
+from verispec.engine.branch_policy import BranchPolicy
+from verispec.engine.forks import Forks
 from verispec.engine.k_policy import KPolicy
 from verispec.engine.metrics import SpecMetrics
 from verispec.engine.params import SamplingParams
@@ -81,12 +83,15 @@ def encode_prompt(tokenizer: TextTokenizer | None, vocab_size: int, prompt: str 
 class Engine:
     """target: the model every token is verified by; proposer: made for this engine (it keeps
     per-sequence state); policy: chooses K per round and learns from what each round measured;
-    kv_dtype: how both models' caches store keys and values (None: each model's dtype)."""
+    kv_dtype: how both models' caches store keys and values (None: each model's dtype);
+    branches: alternative candidate branches verified beside a draft ("auto": when they pay,
+    engine/branch_policy.py; N: up to N whenever offered; 0: chains only)."""
 
     def __init__(self, target: Transformer, proposer: Proposer, policy: KPolicy, tokenizer: TextTokenizer | None,
                  proposer_name: str, k: int | str, context_length: int, draft: Transformer | None = None,
                  kv_budget_mb: float = 1024, block_size: int = 16, max_running: int = 32,
-                 prefill_budget: int = 256, num_blocks: int | None = None, kv_dtype: torch.dtype | None = None):
+                 prefill_budget: int = 256, num_blocks: int | None = None, kv_dtype: torch.dtype | None = None,
+                 branches: int | str = "auto"):
         if block_size < 1 or kv_budget_mb <= 0 or max_running < 1 or prefill_budget < 1:
             raise ValueError("block_size, kv_budget_mb, max_running and prefill_budget must be positive")
         models = [target] + ([draft] if draft is not None else [])
@@ -100,9 +105,11 @@ class Engine:
                                                          model.dtype, model.device, kv_dtype))
 
         self.target = runner(target)
+        self.forks = Forks(self.pool, self.target.cache)
         self.proposer = proposer
         self.proposer.start(runner)
         self.policy = policy
+        self.branch_policy = BranchPolicy(policy, branches)
         self.tokenizer = tokenizer
         self.proposer_name, self.k = proposer_name, k
         self.stop_ids = frozenset(tokenizer.stop_token_ids) if tokenizer is not None else frozenset()
@@ -210,7 +217,7 @@ class Engine:
     def _round(self, entries: list[Entry], ks: list[int]) -> None:
         seqs = [e.seq for e in entries]
         before = [len(s.generated) for s in seqs]
-        report = speculative_round(seqs, self.target, self.proposer, ks)
+        report = speculative_round(seqs, self.target, self.proposer, ks, self.forks, self.branch_policy.choose)
         self.learn(seqs, report)
         now = time.perf_counter()
         for e, s, n0 in zip(entries, seqs, before):
@@ -228,13 +235,18 @@ class Engine:
     def learn(self, seqs: list[Sequence], report: RoundReport) -> None:
         """Feed measured costs and acceptance into the K policy (used by k="auto")."""
         costs = self.policy.costs
-        costs.record_verify(report.width, report.verify_s, len(seqs))
+        costs.record_verify(report.width, report.verify_s, report.rows or len(seqs))
         for source, (steps, seconds) in report.steps.items():
             costs.record_propose(source, steps, seconds)
         for source, (tokens, seconds) in (report.catchup or {}).items():
             costs.record_catchup(source, tokens, seconds)
-        for s, src, k, n in zip(seqs, report.sources, report.num_draft, report.num_accepted):
+        # The chains' acceptance: what the primary drafts alone had accepted (alternatives count apart).
+        primary = report.primary_accepted or report.num_accepted
+        for s, src, k, n in zip(seqs, report.sources, report.num_draft, primary):
             self.policy.observe(s.slot, src, k, n)
+        if report.alternatives:
+            self.branch_policy.observe(report.sources, report.alternatives,
+                                       [n - p for n, p in zip(report.num_accepted, primary)])
 
     def _send(self, e: Entry, new_tokens: list[int]) -> None:
         s = e.seq

@@ -344,6 +344,10 @@ class KPolicy:
                 source, self.k_max, shared, regime, self.source_k_max.get(source.split(":")[0]))
         return est
 
+    def rates(self, slot: int, source: str, greedy: bool = True) -> list[float]:
+        """This sequence's per-position acceptance estimates for source."""
+        return self._estimate(slot, source, greedy).rates
+
     def choose_round(self, seqs: list, sources: list[str], batch: int | None = None,
                      backlogs: list[int] | None = None) -> list[int]:
         """K for every sequence of one batched round.

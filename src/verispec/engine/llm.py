@@ -11,6 +11,7 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
+from verispec.engine.branch_policy import MAX_ALTERNATIVES
 from verispec.engine.engine import Engine, Request, encode_prompt
 from verispec.engine.k_policy import K_MAX, STATIC_C_Q, KPolicy
 from verispec.engine.params import SamplingParams
@@ -82,7 +83,7 @@ class LLM:
                  k: int | str = "auto", dtype: str = "auto", device: str = "cpu", max_batch: int = 32,
                  progress: bool = False, ngram_n: tuple[int, int] = (3, 1), k_max: int = K_MAX,
                  corpus: Seq[str | os.PathLike] | Seq[list[int]] | None = None, draft_vocab: int = 0,
-                 kv_dtype: str = "auto", head: str | os.PathLike | None = None):
+                 kv_dtype: str = "auto", head: str | os.PathLike | None = None, branches: int | str = "auto"):
         if proposer is not None and proposer not in REGISTRY:
             raise VerispecError(f"unknown proposer {proposer!r}; choose one of {', '.join(sorted(REGISTRY))}")
         if k != "auto" and (not isinstance(k, int) or not 0 <= k <= K_MAX):
@@ -94,6 +95,9 @@ class LLM:
         if kv_dtype != "auto" and kv_dtype not in KV_DTYPES:
             raise VerispecError(f"kv_dtype must be 'auto' or one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         self.kv_dtype = None if kv_dtype == "auto" else KV_DTYPES[kv_dtype]
+        if branches != "auto" and (not isinstance(branches, int) or not 0 <= branches <= MAX_ALTERNATIVES):
+            raise VerispecError(f"branches must be 'auto' or an integer in 0 … {MAX_ALTERNATIVES}, got {branches!r}")
+        self.branches = branches
         self.target: LoadedModel = _load(model, dtype, device, progress)
         self.tokenizer = self.target.tokenizer
         default_heads = False
@@ -243,7 +247,7 @@ class LLM:
                       self.proposer_name,
                       self.k, self.context_length, self.draft.model if self.draft is not None else None,
                       kv_budget_mb, block_size, max_running or self.max_batch, prefill_budget, num_blocks,
-                      self.kv_dtype)
+                      self.kv_dtype, self.branches)
 
     def clear_prefix_cache(self) -> None:
         """Forget the cached prompts of earlier calls (the next prompt is prefilled in full)."""

@@ -9,6 +9,9 @@
 - predicted_tokens_per_round = (1 − α^{K+1}) / (1 − α)
 - by_source: rounds, proposed and accepted drafts per full source label ('ngram:16+', 'head', …):
   for lookup, a histogram of match lengths with each bucket's acceptance
+- branches: rounds that verified alternative candidates beside the primary draft (a token tree,
+  sampling/branches.py), the alternatives verified, the rounds an alternative's path was taken, and
+  the tokens gained over what the primary alone would have had accepted
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class SpecMetrics:
     k_histogram: dict[int, int] = field(default_factory=dict)
     sources: dict[str, int] = field(default_factory=dict)   # rounds with drafts, by proposer source
     by_source: dict[str, list[int]] = field(default_factory=dict)   # full source label -> [rounds, proposed, accepted]
+    branches: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # [rounds, alternatives, taken, gained]
 
     def record_round(self, k: int, accepted: int, emitted: int, overlaps: list[float],
                      source: str | None = None) -> None:
@@ -53,6 +57,11 @@ class SpecMetrics:
             self.position_accepted[i] += int(i < accepted)
         self.overlap_sum += sum(overlaps)
         self.overlap_count += len(overlaps)
+
+    def record_branches(self, alternatives: int, taken: bool, gained: int) -> None:
+        """A round verified `alternatives` candidates beside the primary draft."""
+        for i, c in enumerate((1, alternatives, int(taken), gained)):
+            self.branches[i] += c
 
     def add(self, other: "SpecMetrics") -> None:
         """Fold another sequence's counts into these (the engine's running total)."""
@@ -75,6 +84,8 @@ class SpecMetrics:
             self.k_histogram[k] = self.k_histogram.get(k, 0) + v
         for name, v in other.sources.items():
             self.sources[name] = self.sources.get(name, 0) + v
+        for i, c in enumerate(other.branches):
+            self.branches[i] += c
         for name, counts in other.by_source.items():
             mine = self.by_source.setdefault(name, [0, 0, 0])
             for i, c in enumerate(counts):
@@ -116,6 +127,7 @@ class SpecMetrics:
             "rounds_by_source": dict(self.sources),
             "by_source": {name: {"rounds": r, "proposed": p, "accepted": a, "acceptance_rate": a / p if p else None}
                           for name, (r, p, a) in sorted(self.by_source.items())},
+            "branches": dict(zip(("rounds", "alternatives", "taken", "gained"), self.branches)),
             "draft_s": round(self.draft_s, 6),
             "verify_s": round(self.verify_s, 6),
             "other_s": round(self.other_s, 6),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -14,7 +15,9 @@ from verispec.errors import NonFiniteOutput
 from verispec.models.runner import ModelRunner
 from verispec.engine.sequence import Sequence
 from verispec.proposers.base import Proposal, Proposer
+from verispec.engine.forks import Forks
 from verispec.sampling import AcceptanceResult, accept_greedy, accept_sampling, warp_probs
+from verispec.sampling.branches import accept_branches
 
 
 @dataclass
@@ -26,9 +29,19 @@ class RoundReport:
     verify_s: float
     steps: dict[str, tuple[int, float]]         # proposer source -> (steps, seconds)
     catchup: dict[str, tuple[int, float]] | None = None   # source -> (tokens, seconds) of one-off prefill
+    rows: int = 0                               # sequences in the verify pass, forks of alternative branches included
+    primary_accepted: list[int] | None = None   # drafts of the primary chain the same draws accepted
+    alternatives: list[int] | None = None       # alternative branches verified per sequence
 
 
-def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Proposer, ks: list[int]) -> RoundReport:
+# (seqs, proposal) -> how many of each row's alternative branches to verify (the engine's branch policy)
+ChooseBranches = Callable[[list[Sequence], Proposal], list[int]]
+
+
+def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Proposer, ks: list[int],
+                      forks: Forks | None = None, choose_branches: ChooseBranches | None = None) -> RoundReport:
+    """forks, choose_branches: verify alternative candidate branches (Proposal.branches) beside the
+    primary drafts, each on a fork of its sequence's cache; without them only the primary chains."""
     t0 = time.perf_counter()
 
     # 1. Propose: up to ks[b] draft tokens x̃ per sequence (ragged), with q or as point masses.
@@ -37,18 +50,58 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
     t1 = time.perf_counter()
 
     # 2. Verify: one target pass over [pending token, x̃_0 … x̃_{k-1}]; logits only for those k+1 rows.
+    #    Alternative branches ride along as sequences of their own (forks sharing the cached prefix).
     chunks, rows = [], []
     for b, s in enumerate(seqs):
         chunk = s.tokens[target.length(s.slot):] + proposal.tokens[b, : num_draft[b]].tolist()
         chunks.append(chunk)
         rows.append(list(range(len(chunk) - num_draft[b] - 1, len(chunk))))
-    out = target.forward([s.slot for s in seqs], chunks, rows, states=proposer.wants_states)
-    logits, states = out if proposer.wants_states else (out, None)              # (B, K+1, V), (B, K+1, C)
+    alts = _open_branches(seqs, target, proposal, forks, choose_branches)   # per row: [(fork slot, tokens)]
+    slots = [s.slot for s in seqs]
+    for b, s in enumerate(seqs):
+        for fork, toks in alts[b]:
+            pending = s.tokens[target.length(s.slot):]
+            slots.append(fork)
+            chunks.append(pending + toks)
+            rows.append(list(range(len(pending) - 1, len(pending) + len(toks))))
+    out = target.forward(slots, chunks, rows, states=proposer.wants_states)
+    logits, states = out if proposer.wants_states else (out, None)              # (B+F, K+1, V), (B+F, K+1, C)
     t2 = time.perf_counter()
-    _check_finite(logits, proposal)
+    _check_finite(logits[: len(seqs)], proposal)
+    if len(slots) > len(seqs) and not torch.isfinite(logits[len(seqs):]).all():
+        raise NonFiniteOutput("the target model produced NaN or infinite logits; its weights or settings are "
+                              "broken (or its activations overflow)")
 
-    # 3. Accept: greedy rows by argmax, sampling rows by modified rejection sampling.
-    result = _accept(seqs, logits, proposal)
+    # 3. Accept: greedy rows by argmax, sampling rows by modified rejection sampling; rows with
+    #    alternative branches walk their token tree (sampling/branches.py).
+    branched = [b for b in range(len(seqs)) if alts[b]]
+    result = _accept(seqs, logits, proposal, skip=set(branched))
+    primary = result.num_accepted.tolist()
+    state_row = list(range(len(seqs)))                 # which pass row holds each sequence's states
+    fork_row = len(seqs)
+    for b in range(len(seqs)):
+        if not alts[b]:
+            continue
+        s = seqs[b]
+        branches = [proposal.tokens[b, : num_draft[b]].tolist()] + [toks for _, toks in alts[b]]
+        rows_of = [b] + list(range(fork_row, fork_row + len(alts[b])))
+        fork_row += len(alts[b])
+        scores = [logits[r, : len(toks) + 1] for r, toks in zip(rows_of, branches)]
+        if not s.params.greedy:
+            p = s.params
+            scores = [warp_probs(x[None], torch.tensor([p.temperature]), torch.tensor([p.top_k]),
+                                 torch.tensor([p.top_p]))[0] for x in scores]
+        walk = accept_branches(branches, scores, s.params.greedy, s.generator)
+        result.num_accepted[b] = walk.num_accepted
+        result.tokens[b] = -1
+        result.tokens[b, : len(walk.tokens)] = torch.tensor(walk.tokens)
+        primary[b] = walk.primary_accepted
+        if walk.branch:
+            forks.adopt(alts[b][walk.branch - 1][0], s.slot, target.length(s.slot), walk.num_accepted + 1)
+            state_row[b] = rows_of[walk.branch]
+        s.metrics.record_branches(len(alts[b]), walk.branch != 0, walk.num_accepted - walk.primary_accepted)
+    if forks is not None:
+        forks.close()
 
     # 4. Commit: append emitted tokens one by one (stops cut exactly where plain decoding would),
     #    then move the target's length pointer; rejected cache entries are simply left behind.
@@ -63,9 +116,9 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
                 break
         target.cache.set_length(s.slot, len(s.tokens) - 1)
         if states is not None:                  # row n scored the new pending token
-            s.pending_state = states[b, n].clone()
+            s.pending_state = states[state_row[b], n].clone()
         verified = min(n + 1, num_draft[b])
-        overlaps = result.overlap[b, :verified].tolist() if result.overlap is not None else []
+        overlaps = result.overlap[b, :verified].tolist() if result.overlap is not None and not alts[b] else []
         s.metrics.record_round(num_draft[b], n, appended, overlaps, sources[b])
 
     # 5. Hear back: the proposer rolls its own state back to the committed tokens.
@@ -80,7 +133,25 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
             s.metrics.sources[name] = s.metrics.sources.get(name, 0) + 1
     steps = proposal.steps or {proposer.name: (max(num_draft, default=0), t1 - t0)}
     return RoundReport(num_draft, result.num_accepted.tolist(), sources, max(num_draft, default=0) + 1,
-                       t2 - t1, steps, proposal.catchup)
+                       t2 - t1, steps, proposal.catchup, rows=len(slots), primary_accepted=primary,
+                       alternatives=[len(a) for a in alts])
+
+
+def _open_branches(seqs: list[Sequence], target: ModelRunner, proposal: Proposal, forks: Forks | None,
+                   choose: ChooseBranches | None) -> list[list[tuple[int, list[int]]]]:
+    """The alternative branches this round verifies, each with the fork it is scored on."""
+    alts: list[list[tuple[int, list[int]]]] = [[] for _ in seqs]
+    if proposal.branches is None or forks is None or choose is None:
+        return alts
+    keep = choose(seqs, proposal)
+    for b, s in enumerate(seqs):
+        length = target.length(s.slot)
+        for toks in proposal.branches[b][: keep[b]]:
+            fork = forks.open(s.slot, length, len(s.tokens) + len(toks))
+            if fork is None:                        # no free blocks: the primary chain alone
+                break
+            alts[b].append((fork, toks))
+    return alts
 
 
 def _check_finite(logits: torch.Tensor, proposal: Proposal) -> None:
@@ -98,13 +169,14 @@ def _check_finite(logits: torch.Tensor, proposal: Proposal) -> None:
                                   "settings are broken (or its activations overflow)")
 
 
-def _accept(seqs: list[Sequence], logits: torch.Tensor, proposal: Proposal) -> AcceptanceResult:
+def _accept(seqs: list[Sequence], logits: torch.Tensor, proposal: Proposal, skip: set[int]) -> AcceptanceResult:
+    """Chains: rows in `skip` (they walk their branches instead) are left at 0 accepted."""
     b, k = proposal.tokens.shape
     num_accepted = torch.zeros(b, dtype=torch.long)
     tokens = torch.full((b, k + 1), -1, dtype=torch.long)
     overlap = torch.zeros(b, k)
-    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    greedy = [i for i, s in enumerate(seqs) if s.params.greedy and i not in skip]
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in skip]
     if greedy:
         g = torch.tensor(greedy)
         res = accept_greedy(logits[g], proposal.tokens[g], proposal.num_draft[g])

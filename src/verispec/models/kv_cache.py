@@ -75,6 +75,13 @@ class KVStore:
                 store[layer][i, :, j] = q
                 scales[layer][i, :, j] = sc
 
+    def copy(self, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Copy positions [src_n[i], :, src_s[i]] to [dst_n[i], :, dst_s[i]] in every layer (stored bits,
+        scales included): src, dst = (N indices, S indices), 1-D and of one length."""
+        for t in (self.k, self.v, self.ks, self.vs):
+            if t is not None:
+                t[:, dst[0], :, dst[1]] = t[:, src[0], :, src[1]]
+
     def read(self, layer: int, index, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's k, v at store[layer][index] (any indexing of the N dimension and beyond), in dtype."""
         out = []

@@ -21,6 +21,10 @@ class Proposal:
     source: list[str] | None = None  # per row, which proposer produced it (hybrid proposers)
     steps: dict[str, tuple[int, float]] | None = None  # source -> (proposal steps, seconds), for the cost model
     catchup: dict[str, tuple[int, float]] | None = None  # source -> (tokens ingested, seconds): one-off prefill
+    # Per row, alternative point-mass continuations beside tokens[b, :num_draft[b]] (each at most that
+    # long; distinct, none a prefix of another): candidate branches the round may verify too. Only for
+    # rows whose draft is itself a point mass. None: no row has any.
+    branches: list[list[list[int]]] | None = None
 
 
 class Proposer(ABC):

@@ -66,10 +66,13 @@ class HybridProposer(Proposer):
                 tokens[i, :kd] = from_draft.tokens[i]
                 q[i, :kd] = from_draft.q[i]
                 num[i] = from_draft.num_draft[i]
+        branches = [self.lookups.branches(s, len(f)) if src != self.fallback and f else []
+                    for s, f, src in zip(seqs, found, sources)]           # lookup rows only: point masses
         steps = {src: (1, t1 - t0) for src in set(sources) if src != self.fallback}
         if max(draft_ks, default=0):
             steps[self.fallback] = from_draft.steps[self.fallback]   # drafting time without the catch-up
-        return Proposal(tokens, num, q, sources, steps, from_draft.catchup)
+        return Proposal(tokens, num, q, sources, steps, from_draft.catchup,
+                        branches=branches if any(branches) else None)
 
     def observe(self, seqs, num_accepted):
         self.draft.observe(seqs, num_accepted)

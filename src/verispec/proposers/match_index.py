@@ -16,6 +16,9 @@ the 2-gram [6 7] ended at positions 2 and 5, followed by [9 6] and [8 6]: one ea
 wins: (2, [8, 6]). With tokens = [1 2 3 4 5 | 0 | 1 2 3 4] the 3-gram [2 3 4] ended at 3; extended
 backwards the match is [1 2 3 4] (4 tokens), and the proposal is what followed it: (4, [5, 0]).
 
+`candidates` also lists what followed other occurrences, best first: the alternative branches a
+round may verify beside the primary continuation (a token tree, sampling/branches.py).
+
 The cost of `find` is bounded by RECENT × MAX_MATCH comparisons whatever the context length, so a
 round's lookup stays in the microseconds at 32k tokens; the price is that a longest match whose
 3-gram last occurred more than RECENT times ago is not seen.
@@ -49,6 +52,14 @@ class MatchIndex:
     def find(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
         """(match length, continuation of at most k tokens) for the current end of tokens; (0, [])
         when the suffix never occurred before. Indexes whatever tokens are new first."""
+        found = self.candidates(tokens, k, 1)
+        return found[0] if found else (0, [])
+
+    def candidates(self, tokens: list[int], k: int, limit: int) -> list[tuple[int, list[int]]]:
+        """Up to `limit` (match length, continuation) pairs with distinct continuations, best first:
+        the first is `find`'s answer; the others are what followed other earlier occurrences (long
+        matches: by match length, then recency; short ones: by votes, then recency). A continuation
+        that is a prefix of an earlier one adds nothing and is left out."""
         self.extend(tokens)
         end = len(tokens) - 1
         for n in range(min(self.grams, end), 0, -1):
@@ -57,25 +68,31 @@ class MatchIndex:
             if earlier:
                 break
         else:
-            return 0, []
+            return []
         earlier.reverse()                                            # most recent first
+        ranked: list[tuple[int, tuple[int, ...]]] = []
         if n == self.grams:
-            best, at = n, earlier[0]
+            lengths = []
             for p in earlier:
                 m = n
                 while m < MAX_MATCH and p - m >= 0 and tokens[p - m] == tokens[end - m]:
                     m += 1
-                if m > best:
-                    best, at = m, p
-            if best > self.grams:
-                return best, tokens[at + 1: at + 1 + k]
-        votes: Counter[tuple[int, ...]] = Counter()
-        latest: dict[tuple[int, ...], int] = {}
-        for p in earlier:
-            cont = tuple(tokens[p + 1: p + 1 + k])
-            if cont:
+                lengths.append(m)
+            if max(lengths) > self.grams:                            # sorted() is stable: ties stay most recent first
+                order = sorted(range(len(earlier)), key=lambda i: -lengths[i])
+                ranked = [(lengths[i], tuple(tokens[earlier[i] + 1: earlier[i] + 1 + k])) for i in order]
+        if not ranked:
+            votes: Counter[tuple[int, ...]] = Counter()
+            latest: dict[tuple[int, ...], int] = {}
+            for i, p in enumerate(earlier):
+                cont = tuple(tokens[p + 1: p + 1 + k])
                 votes[cont] += 1
-                latest.setdefault(cont, p)
-        if not votes:
-            return 0, []
-        return n, list(max(votes, key=lambda c: (votes[c], latest[c])))
+                latest.setdefault(cont, i)
+            ranked = [(n, c) for c in sorted(votes, key=lambda c: (-votes[c], latest[c]))]
+        out: list[tuple[int, list[int]]] = []
+        for m, cont in ranked:
+            if cont and not any(c[: len(cont)] == list(cont) for _, c in out):
+                out.append((m, list(cont)))
+                if len(out) == limit:
+                    break
+        return out

@@ -46,24 +46,44 @@ def lookup(tokens: list[int], k: int, n_max: int = 3, n_min: int = 1) -> list[in
 
 class Lookups:
     """Per sequence: its MatchIndex, extended as tokens are committed, and the latest answer (a round
-    asks for the source first, then for the proposal)."""
+    asks for the source first, then for the proposal). alternatives: how many other continuations
+    to keep beside the best one (candidate branches for a round's token tree)."""
 
-    def __init__(self, n_max: int = 3, n_min: int = 1, k_max: int = 64):
+    def __init__(self, n_max: int = 3, n_min: int = 1, k_max: int = 64, alternatives: int = 2):
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
-        self.n_max, self.n_min, self.k_max = n_max, n_min, k_max
+        if alternatives < 0:
+            raise ValueError(f"alternatives must be >= 0, got {alternatives}")
+        self.n_max, self.n_min, self.k_max, self.alternatives = n_max, n_min, k_max, alternatives
         self._index: dict[int, MatchIndex] = {}
-        self._answer: dict[int, tuple[int, int, list[int]]] = {}   # slot -> (tokens seen, n, continuation)
+        self._answer: dict[int, tuple[int, list[tuple[int, list[int]]]]] = {}   # slot -> (tokens seen, candidates)
 
-    def find(self, seq) -> tuple[int, list[int]]:
-        """(match length, continuation up to k_max tokens) after seq.tokens; (0, []) without a match."""
+    def _candidates(self, seq) -> list[tuple[int, list[int]]]:
         key = len(seq.tokens)
         cached = self._answer.get(seq.slot)
         if cached is None or cached[0] != key:
             index = self._index.setdefault(seq.slot, MatchIndex(self.n_max))
-            n, cont = index.find(seq.tokens, self.k_max)
-            cached = self._answer[seq.slot] = (key, *((n, cont) if n >= self.n_min and cont else (0, [])))
-        return cached[1], cached[2]
+            found = index.candidates(seq.tokens, self.k_max, 1 + self.alternatives)
+            cached = self._answer[seq.slot] = (key, found if found and found[0][0] >= self.n_min else [])
+        return cached[1]
+
+    def find(self, seq) -> tuple[int, list[int]]:
+        """(match length, continuation up to k_max tokens) after seq.tokens; (0, []) without a match."""
+        found = self._candidates(seq)
+        return found[0] if found else (0, [])
+
+    def branches(self, seq, k: int) -> list[list[int]]:
+        """Other continuations than find's, each cut to k tokens (distinct from the best one and from
+        each other, none a prefix of another)."""
+        found = self._candidates(seq)
+        if not found or k <= 0:
+            return []
+        out = [found[0][1][:k]]
+        for _, cont in found[1:]:
+            cut = cont[:k]
+            if not any(c[: len(cut)] == cut for c in out):
+                out.append(cut)
+        return out[1:]
 
     def release(self, slots) -> None:
         for slot in slots:
@@ -77,8 +97,8 @@ class Lookups:
 
 @register("ngram")
 class NgramProposer(Proposer):
-    def __init__(self, n_max: int = 3, n_min: int = 1, k_max: int = 64):
-        self.lookups = Lookups(n_max, n_min, k_max)
+    def __init__(self, n_max: int = 3, n_min: int = 1, k_max: int = 64, alternatives: int = 2):
+        self.lookups = Lookups(n_max, n_min, k_max, alternatives)
 
     def source_for(self, seq) -> str:
         return match_source(self.lookups.find(seq)[0])
@@ -92,9 +112,11 @@ class NgramProposer(Proposer):
         for i, (_, d) in enumerate(found):
             tokens[i, : len(d)] = torch.tensor(d, dtype=torch.long)
         sources = [match_source(n) if d else "none" for n, d in found]
+        branches = [self.lookups.branches(s, len(d)) if d else [] for s, (_, d) in zip(seqs, found)]
         seconds = time.perf_counter() - t0
         steps = {src: (1, seconds) for src in set(sources) if src != "none"}
-        return Proposal(tokens, torch.tensor([len(d) for _, d in found]), None, sources, steps)
+        return Proposal(tokens, torch.tensor([len(d) for _, d in found]), None, sources, steps,
+                        branches=branches if any(branches) else None)
 
     def release(self, slots):
         self.lookups.release(slots)
