@@ -128,7 +128,8 @@ def test_greedy_with_branches_equals_plain_and_a_fork_not_adopted_is_caught(targ
         out = LLM(target, proposer="ngram", k=k, branches=2).generate(PROMPTS, params)
         assert [o.token_ids for o in out] == want, k
         taken += sum(o.spec["branches"]["taken"] for o in out)
-        assert all(o.spec["branches"]["rounds"] > 0 for o in out[:2]), k
+        if k != "auto":                             # auto's K follows timings: it may not draft at all
+            assert all(o.spec["branches"]["rounds"] > 0 for o in out[:2]), k
     assert taken > 0
     # Broken on purpose: the winning alternative's keys and values are not copied back.
     from verispec.engine.forks import Forks

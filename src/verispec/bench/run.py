@@ -24,11 +24,13 @@ class Mode:
     proposer: str        # "none" | a registered proposer
     k: int | str         # an integer, or "auto"
     fallback: str = ""   # "head": hybrid falls back on the heads instead of the draft model ("hybrid+head")
+    branches: int | str = "auto"   # alternative branches beside a draft ("ngram/b0": chains only, "/b2": up to 2)
 
     @property
     def label(self) -> str:
         name = f"{self.proposer}+{self.fallback}" if self.fallback else self.proposer
-        return "plain" if self.proposer == "none" else f"{name} k={self.k}"
+        tail = "" if self.branches == "auto" else f" b={self.branches}"
+        return "plain" if self.proposer == "none" else f"{name} k={self.k}{tail}"
 
     @property
     def needs_draft(self) -> bool:
@@ -44,12 +46,19 @@ def parse_modes(modes: list[str], ks: list[int | str]) -> list[Mode]:
     for m in modes:
         if m in ("plain", "none"):
             continue
-        proposer, _, fallback = m.partition("+")
-        if fallback and (proposer, fallback) != ("hybrid", "head"):
-            from verispec.errors import VerispecError
+        from verispec.errors import VerispecError
 
+        name, _, tail = m.partition("/")
+        proposer, _, fallback = name.partition("+")
+        if fallback and (proposer, fallback) != ("hybrid", "head"):
             raise VerispecError(f"unknown mode {m!r}: the one combined mode is hybrid+head")
-        out += [Mode(proposer, k, fallback) for k in ks]
+        branches: int | str = "auto"
+        if tail:
+            if not (tail.startswith("b") and (tail[1:] == "auto" or tail[1:].isdigit())):
+                raise VerispecError(f"unknown mode suffix {tail!r} in {m!r}: /bN (up to N alternative "
+                                    "branches, 0 = chains only) or /bauto")
+            branches = tail[1:] if tail[1:] == "auto" else int(tail[1:])
+        out += [Mode(proposer, k, fallback, branches) for k in ks]
     return out
 
 
@@ -66,7 +75,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
         head = shipped_heads(target.name)
     llms = {m: LLM(target, draft=draft if m.needs_draft else None, proposer=m.proposer, k=m.k,
                    draft_vocab=draft_vocab if m.needs_draft else 0, kv_dtype=kv_dtype,
-                   head=head if m.needs_heads else None)
+                   head=head if m.needs_heads else None, branches=m.branches)
             for m in modes}
     plain_llm = llms[modes[0]]
     texts = [p.render(plain_llm) for p in prompts]

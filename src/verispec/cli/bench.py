@@ -38,7 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     p.add_argument("--modes", default="draft,ngram", help="comma-separated proposers besides plain: draft, ngram, "
                    "hybrid, head, hybrid+head (lookup, else the heads) (default draft,ngram); each runs at every "
-                   "--ks value")
+                   "--ks value. A suffix /bN verifies up to N of lookup's alternative continuations beside "
+                   "each draft (/b0: chains only; default: as many as pay, chosen from measured costs)")
     p.add_argument("--ks", default="4", help="comma-separated K values, integers or 'auto' (default 4)")
     p.add_argument("--temperatures", default="0", help="comma-separated temperatures (default 0)")
     p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (default 1)")
