@@ -39,6 +39,13 @@ from verispec.models.runner import ModelRunner
 from verispec.proposers import Proposer
 
 
+# Mixed passes only while every prompt chunk ends within this many tokens: pieces are as narrow as
+# the round's rows (often 1), each attending its prompt's whole prefix on its own, and past about a
+# thousand positions those re-reads cost more than the weight read a mixed pass saves (a 256-token
+# chunk of a 1,000-token prompt beside 8 decode rows: 3 % slower mixed than in two passes, Zen 4).
+MIX_MAX_CONTEXT = 1024
+
+
 @dataclass
 class Update:
     """What one step did to one sequence of a request (sent to the request's sink)."""
@@ -85,13 +92,14 @@ class Engine:
     per-sequence state); policy: chooses K per round and learns from what each round measured;
     kv_dtype: how both models' caches store keys and values (None: each model's dtype);
     branches: alternative candidate branches verified beside a draft ("auto": when they pay,
-    engine/branch_policy.py; N: up to N whenever offered; 0: chains only)."""
+    engine/branch_policy.py; N: up to N whenever offered; 0: chains only); mixed: a step's prefill
+    chunks ride in its round's pass (one read of the weights for both) where that is exact."""
 
     def __init__(self, target: Transformer, proposer: Proposer, policy: KPolicy, tokenizer: TextTokenizer | None,
                  proposer_name: str, k: int | str, context_length: int, draft: Transformer | None = None,
                  kv_budget_mb: float = 1024, block_size: int = 16, max_running: int = 32,
                  prefill_budget: int = 256, num_blocks: int | None = None, kv_dtype: torch.dtype | None = None,
-                 branches: int | str = "auto"):
+                 branches: int | str = "auto", mixed: bool = True):
         if block_size < 1 or kv_budget_mb <= 0 or max_running < 1 or prefill_budget < 1:
             raise ValueError("block_size, kv_budget_mb, max_running and prefill_budget must be positive")
         models = [target] + ([draft] if draft is not None else [])
@@ -110,6 +118,7 @@ class Engine:
         self.proposer.start(runner)
         self.policy = policy
         self.branch_policy = BranchPolicy(policy, branches)
+        self.mixed = mixed
         self.tokenizer = tokenizer
         self.proposer_name, self.k = proposer_name, k
         self.stop_ids = frozenset(tokenizer.stop_token_ids) if tokenizer is not None else frozenset()
@@ -189,10 +198,13 @@ class Engine:
         plan = self.scheduler.schedule(lambda entry: ks.get(entry.slot, 0))
         for e in plan.preempted:
             self._free_caches(e)
-        if plan.prefill:
-            self._prefill(plan.prefill)
-        if plan.decode:
-            self._round(plan.decode, plan.ks)
+        if plan.prefill and self._mixes(plan):
+            self._mixed(plan)
+        else:
+            if plan.prefill:
+                self._prefill(plan.prefill)
+            if plan.decode:
+                self._round(plan.decode, plan.ks)
         self.stats.preemptions = self.scheduler.preemptions
 
     def _choose_ks(self) -> dict[int, int]:
@@ -205,19 +217,50 @@ class Engine:
         return {s.slot: k for s, k in zip(ready, ks)}
 
     def _prefill(self, parts: list[tuple[Entry, int, int]]) -> None:
+        """Every prefill chunk of the step in one pass (pieces of equal width, ModelRunner.prefill)."""
         parts = [p for p in parts if p[2] > p[1]]
         if not parts:
             return
-        for e, start, _ in parts:
-            self.target.cache.set_length(e.slot, start)
-        self.target.feed([e.slot for e, _, _ in parts], [e.seq.tokens[a:b] for e, a, b in parts])
+        self.target.prefill([(e.slot, a, e.seq.tokens[a:b]) for e, a, b in parts])
         for e, _, end in parts:
             self.scheduler.committed(e, end)
 
-    def _round(self, entries: list[Entry], ks: list[int]) -> None:
+    def _mixes(self, plan) -> bool:
+        """Whether this step's prefill chunks ride along in the round's pass (a mixed pass): only where
+        passes are row-exact (a prompt's cached bits must not depend on how its chunks were cut) and
+        the prompts are short enough that their pieces' attention stays in cache (MIX_MAX_CONTEXT)."""
+        return (self.mixed and self.target.model.exact_pass_rows(self.target.cache.store) is not None
+                and max(b for _, _, b in plan.prefill) <= MIX_MAX_CONTEXT)
+
+    def _mixed(self, plan) -> None:
+        """One pass for the whole step: the round's rows, the prefill chunks as pieces riding along,
+        and — for a prompt whose last chunk this is — its first round in the same pass (its tail rides
+        ahead of its pending token's row), so its first token comes from the pass that finished its
+        prompt instead of the next step's."""
+        parts = [(e, a, b) for e, a, b in plan.prefill if b > a]
+        finishing = [e for e, _, b in parts if b == len(e.seq.tokens) - 1]     # the prompts' last chunks
+        # Their first K as the next step would choose it (a seeded request's K schedule, and so its
+        # sample, must not depend on which step its first round falls in), if the pool has room.
+        fks = self.policy.choose_round([e.seq for e in finishing], [self.proposer.source_for(e.seq) for e in finishing],
+                                       backlogs=[self.proposer.backlog(e.seq) for e in finishing]) if finishing else []
+        fks = [k if self.pool.grow(e.slot, len(e.seq.tokens) + k) else 0 for e, k in zip(finishing, fks)]
+        for e in finishing:
+            self.target.cache.set_length(e.slot, len(e.seq.tokens) - 1)
+        ride = [(e.slot, a, e.seq.tokens[a:b]) for e, a, b in parts]
+        if plan.decode or finishing:
+            self._round(plan.decode + finishing, plan.ks + fks, ride=ride)
+        else:
+            self.target.prefill(ride)
+        for e, _, end in parts:
+            if e not in finishing:
+                self.target.cache.set_length(e.slot, end)
+                self.scheduler.committed(e, end)
+
+    def _round(self, entries: list[Entry], ks: list[int], ride: list | None = None) -> None:
         seqs = [e.seq for e in entries]
         before = [len(s.generated) for s in seqs]
-        report = speculative_round(seqs, self.target, self.proposer, ks, self.forks, self.branch_policy.choose)
+        report = speculative_round(seqs, self.target, self.proposer, ks, self.forks, self.branch_policy.choose,
+                                   ride)
         self.learn(seqs, report)
         now = time.perf_counter()
         for e, s, n0 in zip(entries, seqs, before):
@@ -235,7 +278,8 @@ class Engine:
     def learn(self, seqs: list[Sequence], report: RoundReport) -> None:
         """Feed measured costs and acceptance into the K policy (used by k="auto")."""
         costs = self.policy.costs
-        costs.record_verify(report.width, report.verify_s, report.rows or len(seqs))
+        if not report.mixed:                # a mixed pass's time is not what a verify pass costs
+            costs.record_verify(report.width, report.verify_s, report.rows or len(seqs))
         for source, (steps, seconds) in report.steps.items():
             costs.record_propose(source, steps, seconds)
         for source, (tokens, seconds) in (report.catchup or {}).items():

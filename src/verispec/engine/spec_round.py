@@ -30,6 +30,7 @@ class RoundReport:
     steps: dict[str, tuple[int, float]]         # proposer source -> (steps, seconds)
     catchup: dict[str, tuple[int, float]] | None = None   # source -> (tokens, seconds) of one-off prefill
     rows: int = 0                               # sequences in the verify pass, forks of alternative branches included
+    mixed: bool = False                         # prefill pieces rode along: verify_s is not a verify pass's cost
     primary_accepted: list[int] | None = None   # drafts of the primary chain the same draws accepted
     alternatives: list[int] | None = None       # alternative branches verified per sequence
 
@@ -39,9 +40,13 @@ ChooseBranches = Callable[[list[Sequence], Proposal], list[int]]
 
 
 def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Proposer, ks: list[int],
-                      forks: Forks | None = None, choose_branches: ChooseBranches | None = None) -> RoundReport:
+                      forks: Forks | None = None, choose_branches: ChooseBranches | None = None,
+                      ride: list[tuple[int, int, list[int]]] | None = None) -> RoundReport:
     """forks, choose_branches: verify alternative candidate branches (Proposal.branches) beside the
-    primary drafts, each on a fork of its sequence's cache; without them only the primary chains."""
+    primary drafts, each on a fork of its sequence's cache; without them only the primary chains.
+    ride: prefill chunks (slot, start, tokens) written in the same pass, cut into pieces as wide as
+    the widest verify row (a mixed pass: one read of the weights for both); a sequence of the round
+    may ride its own prompt's tail ahead of its row. Their lengths are the caller's."""
     t0 = time.perf_counter()
 
     # 1. Propose: up to ks[b] draft tokens x̃ per sequence (ragged), with q or as point masses.
@@ -64,11 +69,17 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
             slots.append(fork)
             chunks.append(pending + toks)
             rows.append(list(range(len(pending) - 1, len(pending) + len(toks))))
-    out = target.forward(slots, chunks, rows, states=proposer.wants_states)
+    starts = [target.length(slot) for slot in slots]
+    if ride:
+        for slot, start, toks in ModelRunner.pieces(ride, max(len(c) for c in chunks)):
+            slots.append(slot)
+            chunks.append(toks)
+            starts.append(start)
+    out = target.forward(slots, chunks, rows, states=proposer.wants_states, starts=starts, pad_beyond=bool(ride))
     logits, states = out if proposer.wants_states else (out, None)              # (B+F, K+1, V), (B+F, K+1, C)
     t2 = time.perf_counter()
     _check_finite(logits[: len(seqs)], proposal)
-    if len(slots) > len(seqs) and not torch.isfinite(logits[len(seqs):]).all():
+    if len(rows) > len(seqs) and not torch.isfinite(logits[len(seqs):]).all():
         raise NonFiniteOutput("the target model produced NaN or infinite logits; its weights or settings are "
                               "broken (or its activations overflow)")
 
@@ -133,8 +144,8 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
             s.metrics.sources[name] = s.metrics.sources.get(name, 0) + 1
     steps = proposal.steps or {proposer.name: (max(num_draft, default=0), t1 - t0)}
     return RoundReport(num_draft, result.num_accepted.tolist(), sources, max(num_draft, default=0) + 1,
-                       t2 - t1, steps, proposal.catchup, rows=len(slots), primary_accepted=primary,
-                       alternatives=[len(a) for a in alts])
+                       t2 - t1, steps, proposal.catchup, rows=len(rows), mixed=bool(ride),
+                       primary_accepted=primary, alternatives=[len(a) for a in alts])
 
 
 def _open_branches(seqs: list[Sequence], target: ModelRunner, proposal: Proposal, forks: Forks | None,

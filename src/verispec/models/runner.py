@@ -29,32 +29,77 @@ class ModelRunner:
         return lambda model: cls(model, num_slots, max_len)
 
     def forward(self, slots: list[int], chunks: list[list[int]], rows: list[list[int]] | None,
-                vocab: torch.Tensor | None = None, states: bool = False):
-        """Feed chunks[b] at positions length(slot_b) … and return logits at rows[b] (indices into
-        the chunk), shape (B, R, V) with R = max len(rows[b]) (short rows repeat their last index).
+                vocab: torch.Tensor | None = None, states: bool = False, starts: list[int] | None = None,
+                pad_beyond: bool = False):
+        """Feed chunks[b] at positions length(slot_b) … (or starts[b] …) and return logits at rows[b]
+        (indices into the chunk), shape (B', R, V) with B' = len(rows) and R = max len(rows[b]) (short
+        rows repeat their last index). Entries past len(rows) are fed only (pieces of a prefill riding
+        along, `pieces`); an entry's slot may repeat, its pieces at their own starts.
 
         vocab: logits for these token ids only, (B, R, N) (a truncated draft vocabulary).
         states: return (logits, h) with h the final-normed states those logits came from, (B, R, C)
         (what drafting heads read).
         Chunks are right-padded; padding writes only beyond each sequence's real tokens, which the
-        next pass overwrites and no real query can see. Does not move the length pointers.
+        next pass overwrites and no real query can see. pad_beyond: padding rows sit past the pass's
+        last real position instead of right after their own chunk — needed when one slot has several
+        entries (pieces), where one piece's padding would land on another's tokens. Does not move the
+        length pointers.
         """
         b = len(chunks)
         t = max(len(c) for c in chunks)
         device = self.model.device
         ids = torch.zeros(b, t, dtype=torch.long)
-        start = torch.tensor([self.length(s) for s in slots])
+        start = torch.tensor(starts if starts is not None else [self.length(s) for s in slots])
         for i, c in enumerate(chunks):
             ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
         positions = start[:, None] + torch.arange(t)[None, :]                     # (B, T)
+        if pad_beyond:
+            real = torch.arange(t)[None, :] < torch.tensor([len(c) for c in chunks])[:, None]     # (B, T)
+            top = int(positions[real].max()) + 1
+            positions = torch.where(real, positions, top + torch.arange(t)[None, :])
         hidden = self.model(ids.to(device), positions.to(device), self.cache.view(slots, positions.to(device)))
         if rows is None:
             return None
         r = max(len(x) for x in rows)
         idx = torch.tensor([x + [x[-1]] * (r - len(x)) for x in rows], dtype=torch.long, device=device)
-        h = self.model.final_states(hidden, idx)                                   # (B, R, C)
+        h = self.model.final_states(hidden[: len(rows)], idx)                      # (B', R, C)
         logits = self.model.project(h, vocab)                                      # (B, R, V or N)
         return (logits, h) if states else logits
+
+    @staticmethod
+    def pieces(parts: list[tuple[int, int, list[int]]], width: int) -> list[tuple[int, int, list[int]]]:
+        """Prefill parts (slot, start, tokens) cut into pieces of at most `width` tokens, each with its
+        own start: one pass can then hold several prompts' chunks (and decode rows) as rows of equal
+        width instead of padding every row to the longest chunk. A piece's rows see the pieces before
+        it through the cache (a pass writes every row's keys and values before any row attends), so
+        a row computes exactly what it would in a pass of its own."""
+        return [(slot, start + at, tokens[at: at + width]) for slot, start, tokens in parts
+                for at in range(0, len(tokens), width)]
+
+    @staticmethod
+    def piece_width(lengths: list[int], exact: int) -> int:
+        """The piece width (≤ exact) that pads the fewest rows for chunks of these lengths; ties go to
+        the wider (fewer pieces, each attending its prefix once)."""
+        longest = max(lengths)
+        widths = sorted({min(w, longest) for w in (16, 32, 48, exact)}, reverse=True)
+        return min(widths, key=lambda w: sum(-(-n // w) for n in lengths) * w)
+
+    def prefill(self, parts: list[tuple[int, int, list[int]]]) -> None:
+        """Write each part's tokens at its start and move the lengths past them: with a row-exact pass,
+        every part in one pass, cut into pieces as wide as that pass allows; else as `feed` does."""
+        parts = [p for p in parts if p[2]]
+        if not parts:
+            return
+        exact = self.model.exact_pass_rows(self.cache.store)
+        if exact is None:
+            for slot, start, _ in parts:
+                self.cache.set_length(slot, start)
+            self.feed([p[0] for p in parts], [p[2] for p in parts])
+            return
+        cut = self.pieces(parts, self.piece_width([len(p[2]) for p in parts], exact))
+        self.forward([p[0] for p in cut], [p[2] for p in cut], rows=None, starts=[p[1] for p in cut])
+        for slot, start, tokens in parts:
+            self.cache.set_length(slot, start + len(tokens))
 
     def extend(self, slots: list[int], token_lists: list[list[int]], chunk: int = 512) -> None:
         """Catch up: write token_lists[b][length(slot_b):-1], whatever each slot has not cached yet, in

@@ -1,0 +1,77 @@
+"""Mixed passes: a step's prefill chunks ride in its round's pass as pieces (one weight read for
+both), and a prompt's first round runs in the pass that finishes it. Nothing but timing may change."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import int8_model
+from verispec import LLM, SamplingParams
+from verispec.engine.engine import Request
+from verispec.models.runner import ModelRunner
+
+PROMPTS = [[(7 * i + j) % 90 + 3 for j in range(n)] for i, n in enumerate((5, 40, 23, 70, 9, 130, 17, 33))]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return int8_model(0, max_position_embeddings=1024)
+
+
+def run(model, mixed: bool, budget: int, proposer="ngram", params=None):
+    """All prompts arrive at once; returns (tokens per prompt, step at which each got its first token)."""
+    llm = LLM(model, proposer=proposer, k=3)
+    engine = llm.engine(kv_budget_mb=8, block_size=8, prefill_budget=budget)
+    engine.mixed = mixed
+    tokens = {i: [] for i in range(len(PROMPTS))}
+    first: dict[int, int] = {}
+    step = [0]
+
+    def sink_for(i):
+        def sink(u):
+            tokens[i] += u.token_ids
+            if u.token_ids:
+                first.setdefault(i, step[0])
+        return sink
+    params = params or SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add(Request(f"r{i}", [p], params, sink_for(i)))
+    while engine.has_work:
+        step[0] += 1
+        engine.step()
+    assert engine.pool.available() == engine.pool.usable
+    return [tokens[i] for i in range(len(PROMPTS))], first
+
+
+@pytest.mark.parametrize("budget", [16, 64, 256])
+def test_mixed_passes_change_no_token_and_bring_first_tokens_sooner(model, budget):
+    assert model.exact_pass_rows(ModelRunner(model, 1, 8).cache.store) is not None   # the native pass runs
+    want = [o.token_ids for o in LLM(model, proposer="none").generate(PROMPTS, SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True))]
+    mixed, first_mixed = run(model, True, budget)
+    separate, first_separate = run(model, False, budget)
+    assert mixed == separate == want
+    # A prompt's first token comes from the pass that finished the prompt: a step sooner.
+    assert all(first_mixed[i] == first_separate[i] - 1 for i in first_mixed)
+
+
+def test_seeded_sampling_is_the_same_mixed_or_not(model):
+    params = SamplingParams(temperature=0.9, top_k=30, max_tokens=16, seed=3, ignore_eos=True)
+    assert run(model, True, 32, params=params)[0] == run(model, False, 32, params=params)[0]
+
+
+def test_a_piece_written_at_the_wrong_start_is_caught(model, monkeypatch):
+    """Broken on purpose: every piece of a chunk written at the chunk's start."""
+    want = run(model, False, 64)[0]
+    monkeypatch.setattr(ModelRunner, "pieces", staticmethod(
+        lambda parts, width: [(s, start, t[at: at + width]) for s, start, t in parts for at in range(0, len(t), width)]))
+    assert run(model, True, 64)[0] != want
+
+
+def test_padding_written_over_a_neighbouring_piece_is_caught(model, monkeypatch):
+    """Broken on purpose: padding rows right after their own piece (where the next piece, or the
+    round's row of the same prompt, writes in the same pass)."""
+    want = run(model, False, 16)[0]
+    forward = ModelRunner.forward
+    monkeypatch.setattr(ModelRunner, "forward", lambda self, *a, **kw: forward(self, *a, **{**kw, "pad_beyond": False}))
+    assert run(model, True, 16)[0] != want
