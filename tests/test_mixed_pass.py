@@ -1,5 +1,5 @@
-"""Mixed passes: a step's prefill chunks ride in its round's pass as pieces (one weight read for
-both), and a prompt's first round runs in the pass that finishes it. Nothing but timing may change."""
+"""A step's prefill chunks in one pass as pieces, with the first round of each prompt they finish
+(and, mixed, the running sequences' round too). Nothing but timing may change."""
 
 from __future__ import annotations
 
@@ -18,11 +18,19 @@ def model():
     return int8_model(0, max_position_embeddings=1024)
 
 
-def run(model, mixed: bool, budget: int, proposer="ngram", params=None):
-    """All prompts arrive at once; returns (tokens per prompt, step at which each got its first token)."""
+def run(model, mixed: bool | None, budget: int, proposer="ngram", params=None):
+    """All prompts arrive at once; returns (tokens per prompt, step at which each got its first token).
+    mixed: True — decode rows in the prefill pass too; False — first rounds in the prefill pass, the
+    running sequences' round apart; None — neither (the torch layers' path: chunks, then rounds)."""
     llm = LLM(model, proposer=proposer, k=3)
     engine = llm.engine(kv_budget_mb=8, block_size=8, prefill_budget=budget)
-    engine.mixed = mixed
+    engine.mix_decode = bool(mixed)
+    if mixed is None:
+        def chunks_then_round(plan):
+            engine._prefill(plan.prefill)
+            if plan.decode:
+                engine._round(plan.decode, plan.ks)
+        engine._prefill_with_first_rounds = chunks_then_round
     tokens = {i: [] for i in range(len(PROMPTS))}
     first: dict[int, int] = {}
     step = [0]
@@ -49,29 +57,33 @@ def test_mixed_passes_change_no_token_and_bring_first_tokens_sooner(model, budge
     want = [o.token_ids for o in LLM(model, proposer="none").generate(PROMPTS, SamplingParams(
         temperature=0, max_tokens=20, ignore_eos=True))]
     mixed, first_mixed = run(model, True, budget)
-    separate, first_separate = run(model, False, budget)
-    assert mixed == separate == want
+    first_pass, first_first = run(model, False, budget)
+    separate, first_separate = run(model, None, budget)
+    assert mixed == first_pass == separate == want
     # A prompt's first token comes from the pass that finished the prompt: a step sooner.
-    assert all(first_mixed[i] == first_separate[i] - 1 for i in first_mixed)
+    assert first_mixed == first_first
+    assert all(first_first[i] == first_separate[i] - 1 for i in first_first)
 
 
 def test_seeded_sampling_is_the_same_mixed_or_not(model):
     params = SamplingParams(temperature=0.9, top_k=30, max_tokens=16, seed=3, ignore_eos=True)
-    assert run(model, True, 32, params=params)[0] == run(model, False, 32, params=params)[0]
+    want = run(model, None, 32, params=params)[0]
+    assert run(model, True, 32, params=params)[0] == run(model, False, 32, params=params)[0] == want
 
 
 def test_a_piece_written_at_the_wrong_start_is_caught(model, monkeypatch):
     """Broken on purpose: every piece of a chunk written at the chunk's start."""
-    want = run(model, False, 64)[0]
+    want = run(model, None, 64)[0]
     monkeypatch.setattr(ModelRunner, "pieces", staticmethod(
         lambda parts, width: [(s, start, t[at: at + width]) for s, start, t in parts for at in range(0, len(t), width)]))
     assert run(model, True, 64)[0] != want
+    assert run(model, False, 64)[0] != want
 
 
 def test_padding_written_over_a_neighbouring_piece_is_caught(model, monkeypatch):
     """Broken on purpose: padding rows right after their own piece (where the next piece, or the
     round's row of the same prompt, writes in the same pass)."""
-    want = run(model, False, 16)[0]
+    want = run(model, None, 16)[0]
     forward = ModelRunner.forward
     monkeypatch.setattr(ModelRunner, "forward", lambda self, *a, **kw: forward(self, *a, **{**kw, "pad_beyond": False}))
     assert run(model, True, 16)[0] != want

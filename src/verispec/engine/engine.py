@@ -39,10 +39,9 @@ from verispec.models.runner import ModelRunner
 from verispec.proposers import Proposer
 
 
-# Mixed passes only while every prompt chunk ends within this many tokens: pieces are as narrow as
+# mix_decode only while every prompt chunk ends within this many tokens: pieces are as narrow as
 # the round's rows (often 1), each attending its prompt's whole prefix on its own, and past about a
-# thousand positions those re-reads cost more than the weight read a mixed pass saves (a 256-token
-# chunk of a 1,000-token prompt beside 8 decode rows: 3 % slower mixed than in two passes, Zen 4).
+# thousand positions those re-reads cost more than the weight read a mixed pass saves.
 MIX_MAX_CONTEXT = 1024
 
 
@@ -92,14 +91,16 @@ class Engine:
     per-sequence state); policy: chooses K per round and learns from what each round measured;
     kv_dtype: how both models' caches store keys and values (None: each model's dtype);
     branches: alternative candidate branches verified beside a draft ("auto": when they pay,
-    engine/branch_policy.py; N: up to N whenever offered; 0: chains only); mixed: a step's prefill
-    chunks ride in its round's pass (one read of the weights for both) where that is exact."""
+    engine/branch_policy.py; N: up to N whenever offered; 0: chains only). Where passes are
+    row-exact, a step's prefill chunks share one pass with the first rounds of the prompts they
+    finish; mix_decode: the running sequences' round joins that pass too (one read of the weights for
+    both; off by default: on a 2-core CPU the narrow pieces it needs cost more than the read saved)."""
 
     def __init__(self, target: Transformer, proposer: Proposer, policy: KPolicy, tokenizer: TextTokenizer | None,
                  proposer_name: str, k: int | str, context_length: int, draft: Transformer | None = None,
                  kv_budget_mb: float = 1024, block_size: int = 16, max_running: int = 32,
                  prefill_budget: int = 256, num_blocks: int | None = None, kv_dtype: torch.dtype | None = None,
-                 branches: int | str = "auto", mixed: bool = True):
+                 branches: int | str = "auto", mix_decode: bool = False):
         if block_size < 1 or kv_budget_mb <= 0 or max_running < 1 or prefill_budget < 1:
             raise ValueError("block_size, kv_budget_mb, max_running and prefill_budget must be positive")
         models = [target] + ([draft] if draft is not None else [])
@@ -118,7 +119,7 @@ class Engine:
         self.proposer.start(runner)
         self.policy = policy
         self.branch_policy = BranchPolicy(policy, branches)
-        self.mixed = mixed
+        self.mix_decode = mix_decode
         self.tokenizer = tokenizer
         self.proposer_name, self.k = proposer_name, k
         self.stop_ids = frozenset(tokenizer.stop_token_ids) if tokenizer is not None else frozenset()
@@ -198,8 +199,8 @@ class Engine:
         plan = self.scheduler.schedule(lambda entry: ks.get(entry.slot, 0))
         for e in plan.preempted:
             self._free_caches(e)
-        if plan.prefill and self._mixes(plan):
-            self._mixed(plan)
+        if plan.prefill and self.target.model.exact_pass_rows(self.target.cache.store) is not None:
+            self._prefill_with_first_rounds(plan)
         else:
             if plan.prefill:
                 self._prefill(plan.prefill)
@@ -225,42 +226,51 @@ class Engine:
         for e, _, end in parts:
             self.scheduler.committed(e, end)
 
-    def _mixes(self, plan) -> bool:
-        """Whether this step's prefill chunks ride along in the round's pass (a mixed pass): only where
-        passes are row-exact (a prompt's cached bits must not depend on how its chunks were cut) and
-        the prompts are short enough that their pieces' attention stays in cache (MIX_MAX_CONTEXT)."""
-        return (self.mixed and self.target.model.exact_pass_rows(self.target.cache.store) is not None
-                and max(b for _, _, b in plan.prefill) <= MIX_MAX_CONTEXT)
-
-    def _mixed(self, plan) -> None:
-        """One pass for the whole step: the round's rows, the prefill chunks as pieces riding along,
-        and — for a prompt whose last chunk this is — its first round in the same pass (its tail rides
-        ahead of its pending token's row), so its first token comes from the pass that finished its
-        prompt instead of the next step's."""
+    def _prefill_with_first_rounds(self, plan) -> None:
+        """The step's prefill chunks in one pass, as pieces, with the first round (its K as the next
+        step would choose it) of every prompt whose last chunk this is: its tail rides ahead of its
+        pending token's row, so its first token comes from the pass that finished the prompt instead
+        of the next step's. Then the running sequences' round — in the same pass too with mix_decode
+        (prompts within MIX_MAX_CONTEXT), where the pieces must be as narrow as the round's rows."""
         parts = [(e, a, b) for e, a, b in plan.prefill if b > a]
         finishing = [e for e, _, b in parts if b == len(e.seq.tokens) - 1]     # the prompts' last chunks
-        # Their first K as the next step would choose it (a seeded request's K schedule, and so its
-        # sample, must not depend on which step its first round falls in), if the pool has room.
+        # A seeded request's K schedule, and so its sample, must not depend on which step its first
+        # round falls in: the policy chooses as it would next step (if the pool has room for the drafts).
         fks = self.policy.choose_round([e.seq for e in finishing], [self.proposer.source_for(e.seq) for e in finishing],
                                        backlogs=[self.proposer.backlog(e.seq) for e in finishing]) if finishing else []
         fks = [k if self.pool.grow(e.slot, len(e.seq.tokens) + k) else 0 for e, k in zip(finishing, fks)]
-        for e in finishing:
-            self.target.cache.set_length(e.slot, len(e.seq.tokens) - 1)
-        ride = [(e.slot, a, e.seq.tokens[a:b]) for e, a, b in parts]
-        if plan.decode or finishing:
-            self._round(plan.decode + finishing, plan.ks + fks, ride=ride)
+        mix = (self.mix_decode and bool(plan.decode)
+               and max(b for _, _, b in plan.prefill) <= MIX_MAX_CONTEXT)
+        if mix:
+            width = 1 + max(plan.ks + fks)
+        else:
+            exact = self.target.model.exact_pass_rows(self.target.cache.store)
+            width = self.target.piece_width([b - a + 1 for _, a, b in parts], exact, 1 + max(fks, default=0))
+        ride = []
+        for e, a, b in parts:
+            if e in finishing:              # its row: the last tokens, with its drafts no wider than a piece
+                k = fks[finishing.index(e)]
+                b = len(e.seq.tokens) - ((len(e.seq.tokens) - a - 1) % max(1, width - k) + 1)
+                self.target.cache.set_length(e.slot, b)
+            if b > a:
+                ride.append((e.slot, a, e.seq.tokens[a:b]))
+        entries, ks = (plan.decode + finishing, plan.ks + fks) if mix else (finishing, fks)
+        if entries:
+            self._round(entries, ks, ride=ride, ride_width=width)
         else:
             self.target.prefill(ride)
         for e, _, end in parts:
             if e not in finishing:
                 self.target.cache.set_length(e.slot, end)
                 self.scheduler.committed(e, end)
+        if plan.decode and not mix:
+            self._round(plan.decode, plan.ks)
 
-    def _round(self, entries: list[Entry], ks: list[int], ride: list | None = None) -> None:
+    def _round(self, entries: list[Entry], ks: list[int], ride: list | None = None, ride_width: int = 0) -> None:
         seqs = [e.seq for e in entries]
         before = [len(s.generated) for s in seqs]
         report = speculative_round(seqs, self.target, self.proposer, ks, self.forks, self.branch_policy.choose,
-                                   ride)
+                                   ride, ride_width)
         self.learn(seqs, report)
         now = time.perf_counter()
         for e, s, n0 in zip(entries, seqs, before):

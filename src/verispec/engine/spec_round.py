@@ -41,12 +41,12 @@ ChooseBranches = Callable[[list[Sequence], Proposal], list[int]]
 
 def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Proposer, ks: list[int],
                       forks: Forks | None = None, choose_branches: ChooseBranches | None = None,
-                      ride: list[tuple[int, int, list[int]]] | None = None) -> RoundReport:
+                      ride: list[tuple[int, int, list[int]]] | None = None, ride_width: int = 0) -> RoundReport:
     """forks, choose_branches: verify alternative candidate branches (Proposal.branches) beside the
     primary drafts, each on a fork of its sequence's cache; without them only the primary chains.
-    ride: prefill chunks (slot, start, tokens) written in the same pass, cut into pieces as wide as
-    the widest verify row (a mixed pass: one read of the weights for both); a sequence of the round
-    may ride its own prompt's tail ahead of its row. Their lengths are the caller's."""
+    ride: prefill chunks (slot, start, tokens) written in the same pass, cut into pieces of
+    ride_width tokens (default: the widest verify row) — one read of the weights for both; a sequence
+    of the round may ride its own prompt's tail ahead of its row. Their lengths are the caller's."""
     t0 = time.perf_counter()
 
     # 1. Propose: up to ks[b] draft tokens x̃ per sequence (ragged), with q or as point masses.
@@ -71,7 +71,7 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
             rows.append(list(range(len(pending) - 1, len(pending) + len(toks))))
     starts = [target.length(slot) for slot in slots]
     if ride:
-        for slot, start, toks in ModelRunner.pieces(ride, max(len(c) for c in chunks)):
+        for slot, start, toks in ModelRunner.pieces(ride, ride_width or max(len(c) for c in chunks)):
             slots.append(slot)
             chunks.append(toks)
             starts.append(start)

@@ -77,11 +77,13 @@ class ModelRunner:
                 for at in range(0, len(tokens), width)]
 
     @staticmethod
-    def piece_width(lengths: list[int], exact: int) -> int:
-        """The piece width (≤ exact) that pads the fewest rows for chunks of these lengths; ties go to
-        the wider (fewer pieces, each attending its prefix once)."""
-        longest = max(lengths)
-        widths = sorted({min(w, longest) for w in (16, 32, 48, exact)}, reverse=True)
+    def piece_width(lengths: list[int], exact: int, least: int = 1) -> int:
+        """The piece width (least … exact) that pads the fewest rows for chunks of these lengths; ties
+        go to the wider (fewer pieces). Padding is what costs: a pass over pieces of one token runs
+        as fast as passes over whole chunks (measured on the 1.5B, Zen 4: 256 tokens of four prompts in
+        1-token pieces 1.75 s, one pass per prompt 1.75 s, 16-token pieces 1.87 s with 6 % padding)."""
+        longest = max(max(lengths), least)
+        widths = sorted({min(max(w, least), longest) for w in (1, 2, 4, 8, 16, 32, 48, exact)}, reverse=True)
         return min(widths, key=lambda w: sum(-(-n // w) for n in lengths) * w)
 
     def prefill(self, parts: list[tuple[int, int, list[int]]]) -> None:
