@@ -84,6 +84,26 @@ def test_prefix_cache_shares_a_repeated_prompt():
     assert engine.pool.hits - hits_before == (len(prompt) - 1) // 4   # every full prompt block reused
 
 
+def test_a_prompt_found_whole_in_the_prefix_cache_is_not_computed_again(monkeypatch):
+    """Every block of the prompt (all but its pending token) is cached: its first round is one row,
+    not the whole prompt again (which also padded every other sequence of the round to its length)."""
+    from verispec.models.runner import ModelRunner
+
+    llm, engine = make("none", 0, block_size=4, kv_budget_mb=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = list(range(10, 51))                                    # 40 cacheable tokens: 10 whole blocks
+    first = collect(engine, [("a", [prompt], params)])
+    alone = llm.generate([prompt], params)[0].token_ids
+    widths = []
+    forward = ModelRunner.forward
+    monkeypatch.setattr(ModelRunner, "forward",
+                        lambda self, slots, chunks, *a, **kw: widths.append(max(map(len, chunks)))
+                        or forward(self, slots, chunks, *a, **kw))
+    second = collect(engine, [("b", [prompt], params)])
+    assert second["b"][0] == first["a"][0] == alone
+    assert widths and max(widths) == 1
+
+
 def test_abort_frees_blocks():
     llm, engine = make("ngram", "auto", block_size=4, kv_budget_mb=4)
     engine.add(Request("x", [PROMPTS[2]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),

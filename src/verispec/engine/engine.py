@@ -199,6 +199,8 @@ class Engine:
         plan = self.scheduler.schedule(lambda entry: ks.get(entry.slot, 0))
         for e in plan.preempted:
             self._free_caches(e)
+        for e in plan.admitted:      # what the prefix cache already holds counts as written (a prompt
+            self.target.cache.set_length(e.slot, e.computed)    # found whole then needs no prefill at all)
         if plan.prefill and self.target.model.exact_pass_rows(self.target.cache.store) is not None:
             self._prefill_with_first_rounds(plan)
         else:

@@ -50,6 +50,7 @@ class Plan:
     decode: list[Entry] = field(default_factory=list)
     ks: list[int] = field(default_factory=list)
     preempted: list[Entry] = field(default_factory=list)
+    admitted: list[Entry] = field(default_factory=list)   # admitted this step (their caches start at .computed)
 
 
 class Scheduler:
@@ -132,6 +133,7 @@ class Scheduler:
             entry.computed, entry.cached, entry.admitted = cached, cached, self._counter
             self._counter += 1
             self.admitted.append(entry)
+            plan.admitted.append(entry)
             if not entry.prefilled:
                 budget -= self._prefill_chunk(entry, budget, plan)
         return plan
