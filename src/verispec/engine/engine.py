@@ -243,16 +243,23 @@ class Engine:
         fks = [k if self.pool.grow(e.slot, len(e.seq.tokens) + k) else 0 for e, k in zip(finishing, fks)]
         mix = (self.mix_decode and bool(plan.decode)
                and max(b for _, _, b in plan.prefill) <= MIX_MAX_CONTEXT)
+        # Rows each part needs: its chunk, and for a finishing prompt its pending token and drafts too.
+        need = [len(e.seq.tokens) - a + fks[finishing.index(e)] if e in finishing else b - a for e, a, b in parts]
         if mix:
             width = 1 + max(plan.ks + fks)
         else:
             exact = self.target.model.exact_pass_rows(self.target.cache.store)
-            width = self.target.piece_width([b - a + 1 for _, a, b in parts], exact, 1 + max(fks, default=0))
+            width = self.target.piece_width(need, exact, 1 + max(fks, default=0))
         ride = []
-        for e, a, b in parts:
-            if e in finishing:              # its row: the last tokens, with its drafts no wider than a piece
+        for (e, a, b), n in zip(parts, need):
+            if e in finishing:
+                # Its round's row: the prompt's last tokens (pending one last) and its drafts, filling
+                # the last piece; the rest rides ahead in whole pieces (none padded onto the row).
                 k = fks[finishing.index(e)]
-                b = len(e.seq.tokens) - ((len(e.seq.tokens) - a - 1) % max(1, width - k) + 1)
+                tail = (n - 1) // width * width
+                if n - tail - k < 1:                # drafts alone would fill the last piece
+                    tail = n - k - 1
+                b = a + tail
                 self.target.cache.set_length(e.slot, b)
             if b > a:
                 ride.append((e.slot, a, e.seq.tokens[a:b]))

@@ -61,7 +61,8 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
         chunk = s.tokens[target.length(s.slot):] + proposal.tokens[b, : num_draft[b]].tolist()
         chunks.append(chunk)
         rows.append(list(range(len(chunk) - num_draft[b] - 1, len(chunk))))
-    alts = _open_branches(seqs, target, proposal, forks, choose_branches)   # per row: [(fork slot, tokens)]
+    # Per row: [(fork slot, tokens)]. Not beside prefill pieces: a fork would be padded to their width.
+    alts = _open_branches(seqs, target, proposal, forks if not ride else None, choose_branches)
     slots = [s.slot for s in seqs]
     for b, s in enumerate(seqs):
         for fork, toks in alts[b]:
@@ -157,6 +158,8 @@ def _open_branches(seqs: list[Sequence], target: ModelRunner, proposal: Proposal
     keep = choose(seqs, proposal)
     for b, s in enumerate(seqs):
         length = target.length(s.slot)
+        if len(s.tokens) - length > 1:          # a prompt's tail is still uncached: a fork would replay it
+            continue
         for toks in proposal.branches[b][: keep[b]]:
             fork = forks.open(s.slot, length, len(s.tokens) + len(toks))
             if fork is None:                        # no free blocks: the primary chain alone
