@@ -7,8 +7,8 @@ only when what it adds — the tokens it is accepted for where the primary was n
     m* = argmax_m  (E(K) + m·g) / (K·c_q + c_p(K+1, B + m)),   m = 0 … available
 
 with E(K) the primary chain's expected tokens (the K policy's estimate), g the tokens one
-alternative has added per round (learned per source, starting from PRIOR_GAIN: optimistic enough
-to be tried, then measured), and c_p(n, B) the pass cost over B rows of width n as the K policy
+alternative has added per round (learned per source, starting from PRIOR_GAIN, what the bundled
+suite measured), and c_p(n, B) the pass cost over B rows of width n as the K policy
 measures it (a row count not measured yet is priced as one sequence of B·n tokens). An
 alternative must beat the chain by the K policy's MARGIN, so a tree that does not pay is not
 chosen; a source whose alternatives stopped paying is tried again after PROBE_EVERY rounds, as
@@ -25,7 +25,9 @@ from verispec.engine.k_policy import EMA, MARGIN, PROBE_EVERY, KPolicy, batch_bu
 from verispec.engine.sequence import Sequence
 from verispec.proposers.base import Proposal
 
-PRIOR_GAIN = 0.3          # tokens one alternative adds per round, before any round measured it
+# Tokens one alternative adds per round before any round measured it: what lookup's alternatives
+# added on the bundled suite (0.16 on summarisation, 0.18 on code; docs/PERFORMANCE_LOG.md).
+PRIOR_GAIN = 0.15
 PRIOR_WEIGHT = 2.0        # the prior counts as this many rounds
 MAX_ALTERNATIVES = 4      # never more than this many alternatives per sequence
 
