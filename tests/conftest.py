@@ -72,15 +72,15 @@ def tiny_text_model(seed: int = 0):
     return LoadedModel(f"tiny-{seed}", tiny_model(seed, vocab=260), byte_tokenizer(), None, 0.0, False)
 
 
-def write_chat_model_dir(root):
+def write_chat_model_dir(root, context: int = 512):
     """A tiny model saved as a Hugging Face directory (byte tokenizer, chat template) that a separate
     process can load with --model. Its end-of-sequence rows are zeroed: greedy replies are printable
-    ASCII and run until max_tokens."""
+    ASCII and run until max_tokens (or the context)."""
     import json
 
     from safetensors.torch import save_file
 
-    model, tok = tiny_model(0, vocab=260), byte_tokenizer()
+    model, tok = tiny_model(0, vocab=260, max_position_embeddings=context), byte_tokenizer()
     with torch.no_grad():                            # a logit of 0 is never the argmax among 260 random ones:
         for i in range(260):                         # printable ASCII only, and never <|im_end|>/<|endoftext|>
             text = tok.decode([i]) if i < 256 else ""

@@ -19,7 +19,8 @@ pexpect = pytest.importorskip("pexpect")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return write_chat_model_dir(tmp_path_factory.mktemp("tiny-chat"))
+    # A long context: a reply that runs until it must still be streaming when Ctrl-C arrives.
+    return write_chat_model_dir(tmp_path_factory.mktemp("tiny-chat"), context=4096)
 
 
 def spawn(model_dir, *flags, env=None):
