@@ -11,8 +11,7 @@ alternative has added per round (learned per source, starting from PRIOR_GAIN, w
 suite measured), and c_p(n, B) the pass cost over B rows of width n as the K policy
 measures it (a row count not measured yet is priced as one sequence of B·n tokens). An
 alternative must beat the chain by the K policy's MARGIN, so a tree that does not pay is not
-chosen; a source whose alternatives stopped paying is tried again after PROBE_EVERY rounds, as
-K = 0 is.
+chosen (no probes: on a 2-core CPU each costs a wider pass and the suite's alternatives never paid).
 
 `branches` = "auto" chooses so; an integer N verifies up to N alternatives whenever there are
 any (0: chains only). Seeded sampled requests never branch under "auto": their schedule must not
@@ -21,7 +20,7 @@ depend on timings (engine/k_policy.py, reproducible).
 
 from __future__ import annotations
 
-from verispec.engine.k_policy import EMA, MARGIN, PROBE_EVERY, KPolicy, batch_bucket, expected_tokens
+from verispec.engine.k_policy import EMA, MARGIN, KPolicy, batch_bucket, expected_tokens
 from verispec.engine.sequence import Sequence
 from verispec.proposers.base import Proposal
 
@@ -40,7 +39,6 @@ class BranchPolicy:
         self.auto = branches == "auto"
         self.fixed = 0 if self.auto else branches
         self.gain: dict[str, list[float]] = {}      # source -> [tokens gained per alternative, rounds seen]
-        self.idle: dict[str, int] = {}              # source -> rounds since its alternatives were last chosen
 
     def choose(self, seqs: list[Sequence], proposal: Proposal) -> list[int]:
         """Alternatives to verify per row (≤ what the proposal offers)."""
@@ -71,12 +69,6 @@ class BranchPolicy:
             value = (e + m * g) / (k * c_q + c_p(k + 1, rows + m))
             if value > best * (1 + 1e-9):
                 best_m, best = m, value
-        if best_m == 0:                                 # not paying: probe now and then, as K = 0 does
-            idle = self.idle[source] = self.idle.get(source, 0) + 1
-            if idle >= PROBE_EVERY:
-                self.idle[source], best_m = 0, 1
-        else:
-            self.idle[source] = 0
         return best_m
 
     def observe(self, sources: list[str], alternatives: list[int], gained: list[int]) -> None:
