@@ -27,6 +27,7 @@ from verispec.engine.forks import Forks
 from verispec.engine.k_policy import KPolicy
 from verispec.engine.metrics import SpecMetrics
 from verispec.engine.params import SamplingParams
+from verispec.engine.prefill import MIX_MAX_CONTEXT, plan_prefill
 from verispec.engine.scheduler import Entry, Scheduler
 from verispec.engine.sequence import Sequence
 from verispec.engine.spec_round import RoundReport, speculative_round
@@ -37,12 +38,6 @@ from verispec.models import Transformer
 from verispec.models.paged_cache import PagedKVCache
 from verispec.models.runner import ModelRunner
 from verispec.proposers import Proposer
-
-
-# mix_decode only while every prompt chunk ends within this many tokens: pieces are as narrow as
-# the round's rows (often 1), each attending its prompt's whole prefix on its own, and past about a
-# thousand positions those re-reads cost more than the weight read a mixed pass saves.
-MIX_MAX_CONTEXT = 1024
 
 
 @dataclass
@@ -229,47 +224,18 @@ class Engine:
             self.scheduler.committed(e, end)
 
     def _prefill_with_first_rounds(self, plan) -> None:
-        """The step's prefill chunks in one pass, as pieces, with the first round (its K as the next
-        step would choose it) of every prompt whose last chunk this is: its tail rides ahead of its
-        pending token's row, so its first token comes from the pass that finished the prompt instead
-        of the next step's. Then the running sequences' round — in the same pass too with mix_decode
-        (prompts within MIX_MAX_CONTEXT), where the pieces must be as narrow as the round's rows."""
+        """The step's prefill pass with the first rounds of the prompts it finishes (engine/prefill.py);
+        then the running sequences' round, or in that pass too with mix_decode."""
         parts = [(e, a, b) for e, a, b in plan.prefill if b > a]
-        finishing = [e for e, _, b in parts if b == len(e.seq.tokens) - 1]     # the prompts' last chunks
-        # A seeded request's K schedule, and so its sample, must not depend on which step its first
-        # round falls in: the policy chooses as it would next step (if the pool has room for the drafts).
-        fks = self.policy.choose_round([e.seq for e in finishing], [self.proposer.source_for(e.seq) for e in finishing],
-                                       backlogs=[self.proposer.backlog(e.seq) for e in finishing]) if finishing else []
-        fks = [k if self.pool.grow(e.slot, len(e.seq.tokens) + k) else 0 for e, k in zip(finishing, fks)]
-        mix = (self.mix_decode and bool(plan.decode)
-               and max(b for _, _, b in plan.prefill) <= MIX_MAX_CONTEXT)
-        # Rows each part needs: its chunk, and for a finishing prompt its pending token and drafts too.
-        need = [len(e.seq.tokens) - a + fks[finishing.index(e)] if e in finishing else b - a for e, a, b in parts]
-        if mix:
-            width = 1 + max(plan.ks + fks)
-        else:
-            exact = self.target.model.exact_pass_rows(self.target.cache.store)
-            width = self.target.piece_width(need, exact, 1 + max(fks, default=0))
-        ride = []
-        for (e, a, b), n in zip(parts, need):
-            if e in finishing:
-                # Its round's row: the prompt's last tokens (pending one last) and its drafts, filling
-                # the last piece; the rest rides ahead in whole pieces (none padded onto the row).
-                k = fks[finishing.index(e)]
-                tail = (n - 1) // width * width
-                if n - tail - k < 1:                # drafts alone would fill the last piece
-                    tail = n - k - 1
-                b = a + tail
-                self.target.cache.set_length(e.slot, b)
-            if b > a:
-                ride.append((e.slot, a, e.seq.tokens[a:b]))
-        entries, ks = (plan.decode + finishing, plan.ks + fks) if mix else (finishing, fks)
+        mix = self.mix_decode and bool(plan.decode) and max(b for _, _, b in parts) <= MIX_MAX_CONTEXT
+        pp = plan_prefill(parts, self.target, self.policy, self.proposer, self.pool, plan.ks if mix else None)
+        entries, ks = (plan.decode + pp.finishing, plan.ks + pp.ks) if mix else (pp.finishing, pp.ks)
         if entries:
-            self._round(entries, ks, ride=ride, ride_width=width)
+            self._round(entries, ks, ride=pp.ride, ride_width=pp.width)
         else:
-            self.target.prefill(ride)
+            self.target.prefill(pp.ride)
         for e, _, end in parts:
-            if e not in finishing:
+            if e not in pp.finishing:
                 self.target.cache.set_length(e.slot, end)
                 self.scheduler.committed(e, end)
         if plan.decode and not mix:
