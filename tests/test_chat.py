@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -23,12 +24,19 @@ def model_dir(tmp_path_factory):
     return write_chat_model_dir(tmp_path_factory.mktemp("tiny-chat"), context=4096)
 
 
+def _default_ctrl_c() -> None:
+    """In the chat's process before it starts: Ctrl-C delivered and handled as a terminal user's would
+    be, whatever the test process inherited or blocked (an ignored or blocked SIGINT passes to a child)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def spawn(model_dir, *flags, env=None):
     env = {**os.environ, "VERISPEC_CACHE": str(model_dir / "cache"), **(env or {})}
     env.pop("NO_COLOR", None) if "NO_COLOR" not in (env or {}) else None
     child = pexpect.spawn(sys.executable, ["-m", "verispec.cli.main", "chat", "--model", str(model_dir),
                                            "--dtype", "float32", *flags], env=env, encoding="utf-8", timeout=60,
-                          dimensions=(50, 200))
+                          dimensions=(50, 200), preexec_fn=_default_ctrl_c)
     child.expect("/help for commands")
     child.expect("> ")
     return child
