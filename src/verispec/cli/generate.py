@@ -76,6 +76,10 @@ def add_model_args(p) -> None:
                    help="let the draft model propose only the N most frequent tokens (its LM head reads N rows "
                         "instead of all; output unchanged: the target verifies over its whole vocabulary). "
                         "0 = the full vocabulary (default)")
+    p.add_argument("--branches", type=parse_branches, default="auto",
+                   help="alternative continuations lookup verifies beside each draft in the same pass (a token "
+                        "tree): 'auto' (default) when they pay at the measured costs, or an integer 0 … 4 "
+                        "(0 = chains only)")
     p.add_argument("--head", default=None, metavar="FILE",
                    help="drafting heads for --proposer head (default: the heads shipped for the target; "
                         "`verispec train-head` makes them)")
@@ -93,12 +97,22 @@ def parse_k(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
+def parse_branches(text: str) -> int | str:
+    import argparse
+
+    if text == "auto":
+        return text
+    if text.isdigit() and 0 <= int(text) <= 4:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected 'auto' or an integer 0 … 4, got {text!r}")
+
+
 def build_llm(args):
     from verispec import LLM
 
     return LLM(model=args.model, draft=args.draft, proposer=args.proposer, k=args.k, dtype=args.dtype,
                device=args.device, progress=True, corpus=args.corpus, draft_vocab=args.draft_vocab,
-               kv_dtype=args.kv_dtype, head=args.head)
+               kv_dtype=args.kv_dtype, head=args.head, branches=args.branches)
 
 
 def run(args) -> int:
