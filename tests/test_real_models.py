@@ -125,7 +125,7 @@ def test_greedy_speculative_equals_plain_on_the_native_pass(fmt):
     params = SamplingParams(temperature=0, max_tokens=24)
     plain = [o.token_ids for o in LLM(target, proposer="none").generate(CODE_PROMPTS, params)]
     assert target.model._native is not None or not kernels.available()
-    from verispec.heads.medusa import shipped_heads
+    from verispec.heads import shipped_heads
 
     for llm in (LLM(target, draft=draft, proposer="draft", k=4), LLM(target, proposer="ngram", k=6),
                 LLM(target, proposer="head", k=4),

@@ -70,7 +70,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
     progress: True (a line on stderr), False, or a callable (done, total, description).
     draft_vocab: the draft modes' truncated vocabulary (0 = full); kv_dtype: every mode's KV cache format."""
     if head is None and any(m.needs_heads for m in modes):
-        from verispec.heads.medusa import shipped_heads
+        from verispec.heads import shipped_heads
 
         head = shipped_heads(target.name)
     llms = {m: LLM(target, draft=draft if m.needs_draft else None, proposer=m.proposer, k=m.k,

@@ -56,7 +56,7 @@ def run(args) -> int:
         c_q[f"draft/{args.draft_vocab}"] = pass_cost(draft.model, 1, args.context, vocab=vocab, kv_dtype=kv)
     heads_path = args.head
     if heads_path is None:
-        from verispec.heads.medusa import shipped_heads
+        from verispec.heads import shipped_heads
 
         heads_path = shipped_heads(target.name)
     if heads_path is not None:
@@ -84,30 +84,32 @@ def run(args) -> int:
 
 
 def _head_cost(target, path, repeats: int = 30) -> float:
-    """Seconds per drafted token of the Medusa heads: one propose step of all H heads (the residual
-    blocks and the LM head over their vocabulary), divided by H; the median of `repeats`."""
+    """Seconds per drafted token of the heads: one propose step at their full depth (Medusa: all H
+    residual blocks; EAGLE: the layer over its window, then once per further draft; and the LM head
+    over their vocabulary), divided by that depth; the median of `repeats`."""
     import statistics
 
     import torch
 
     from verispec.heads import load_heads
-    from verispec.proposers.head import HeadProposer
+    from verispec.proposers.head import head_proposer
 
     from verispec.engine.params import SamplingParams
     from verispec.engine.sequence import Sequence
     from verispec.engine.metrics import SpecMetrics
 
     heads = load_heads(path, target.config.hidden_size, target.config.vocab_size)
-    proposer = HeadProposer(heads, target.model)
+    proposer = head_proposer(heads, target.model)
     seq = Sequence(0, [1, 2, 3], SamplingParams(temperature=0, max_tokens=8), None, 1, frozenset(), None,
                    SpecMetrics("head", "auto"))
     seq.pending_state = torch.randn(target.config.hidden_size)
+    seq.recent_states = torch.randn(getattr(heads, "window", 1), target.config.hidden_size)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        proposer.propose([seq], [heads.num_heads])
+        proposer.propose([seq], [heads.depth])
         times.append(time.perf_counter() - t)
-    return statistics.median(times[3:]) / heads.num_heads
+    return statistics.median(times[3:]) / heads.depth
 
 
 def _lookup_cost(tokenizer, context: int, rounds: int = 200) -> float:

@@ -1,4 +1,4 @@
-"""`verispec train-head`: Medusa heads for a target, trained on this CPU (heads/train.py)."""
+"""`verispec train-head`: Medusa heads or an EAGLE-style layer for a target, trained on this CPU (heads/train*.py)."""
 
 from __future__ import annotations
 
@@ -32,11 +32,17 @@ def add_parser(sub) -> None:
                         f"or text files and directories (default: {' '.join(DEFAULT_CORPUS)})")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
                    help=f"how many tokens of text to read (default {DEFAULT_TOKENS:,})")
-    p.add_argument("--heads", type=int, default=4, help="future positions drafted, one head each (default 4)")
+    p.add_argument("--heads", type=int, default=None,
+                   help="future positions drafted: Medusa, one head each; EAGLE, the deepest draft of a round "
+                        "(default 4 Medusa heads, 6 EAGLE drafts)")
     p.add_argument("--vocab", type=int, default=16384,
                    help="tokens the heads may propose: those the target says most often in the corpus (default 16384)")
     p.add_argument("--minutes", type=float, default=20, help="training time budget, after features (default 20)")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 Medusa, 5e-4 EAGLE)")
+    p.add_argument("--intermediate", type=int, default=2048,
+                   help="EAGLE: width of the layer's feed-forward block (default 2048)")
+    p.add_argument("--unroll", type=int, default=3,
+                   help="EAGLE: steps trained on the layer's own predictions, as drafting runs (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="the heads file to write (.safetensors)")
     p.set_defaults(run=run)
@@ -117,16 +123,20 @@ def run(args) -> int:
 
     from verispec.cache import cache_dir
     from verispec.engine.loading import load_model
-    from verispec.heads import MedusaHeads, save_heads
+    from verispec.heads import EagleHead, MedusaHeads, save_head, save_heads
+    from verispec.heads.eagle import MAX_DEPTH
     from verispec.heads.medusa import MAX_HEADS
     from verispec.heads.train import WINDOW, extract, heads_vocab, progress_line, record, train, training_tokens
     from verispec.proposers.draft_vocab import frequent_tokens
 
-    if args.kind == "eagle":
-        raise VerispecError("EAGLE-style heads are not built yet; use --kind medusa")
-    if not 1 <= args.heads <= MAX_HEADS or args.tokens < WINDOW or args.minutes <= 0 or args.vocab < 2:
-        raise VerispecError(f"--heads must be 1 … {MAX_HEADS}, --tokens at least {WINDOW}, --minutes positive, "
-                            "--vocab at least 2")
+    eagle = args.kind == "eagle"
+    top = MAX_DEPTH if eagle else MAX_HEADS
+    args.heads = args.heads if args.heads is not None else 6 if eagle else 4
+    args.lr = args.lr if args.lr is not None else 5e-4 if eagle else 1e-3
+    if (not 1 <= args.heads <= top or args.tokens < WINDOW or args.minutes <= 0 or args.vocab < 2
+            or not 16 <= args.intermediate <= 65536 or not 1 <= args.unroll <= MAX_DEPTH or not args.lr > 0):
+        raise VerispecError(f"--heads must be 1 … {top}, --tokens at least {WINDOW}, --minutes and --lr positive, "
+                            f"--vocab at least 2, --intermediate 16 … 65536, --unroll 1 … {MAX_DEPTH}")
     out = Path(args.out)
     try:                                    # fail now, not after the features and the training
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -157,14 +167,23 @@ def run(args) -> int:
              if n < cfg.vocab_size else torch.arange(n))
     weight = model.lm_head.dequantized() if hasattr(model.lm_head, "dequantized") else model.lm_head.weight.detach()
     head_rows = weight[vocab].float()                                              # (N, C)
-    heads = MedusaHeads(args.heads, cfg.hidden_size, vocab)
-    score = train(heads, head_rows, features, args.minutes, lr=args.lr, seed=args.seed,
-                  log=lambda s: print(s, file=sys.stderr, flush=True))
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    if eagle:
+        from verispec.heads.train_eagle import train as train_eagle
+
+        heads = EagleHead(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.intermediate, vocab,
+                          depth=args.heads, rms_norm_eps=cfg.rms_norm_eps)
+        embed = model.model.embed_tokens.weight.detach()                                # (V, C)
+        score = train_eagle(heads, embed, head_rows, features, args.minutes, lr=args.lr, unroll=args.unroll,
+                            seed=args.seed, log=log)
+    else:
+        heads = MedusaHeads(args.heads, cfg.hidden_size, vocab)
+        score = train(heads, head_rows, features, args.minutes, lr=args.lr, seed=args.seed, log=log)
     command = "verispec train-head " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train-head"] else "verispec train-head"
     heads.meta = {"vocab_size": str(cfg.vocab_size), "target": target.name, "command": command,
                   "corpus": corpus_name, "tokens": str(tokens), "heldout": json.dumps(score)}
-    save_heads(heads, out)
-    record(out, {"command": command, "target": target.name, "corpus": corpus_name,
+    (save_head if eagle else save_heads)(heads, out)
+    record(out, {"command": command, "kind": args.kind, "target": target.name, "corpus": corpus_name,
                  "tokens": tokens, "heads": args.heads, "vocab": len(vocab),
                  "minutes": args.minutes, "heldout": score})
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): held-out acceptance by draft position "

@@ -102,7 +102,7 @@ class LLM:
         self.tokenizer = self.target.tokenizer
         default_heads = False
         if proposer is None:            # measured best on a 2-core CPU (docs/HEADS.md), with k="auto":
-            from verispec.heads.medusa import shipped_heads    # lookup, else the target's shipped heads
+            from verispec.heads import shipped_heads    # lookup, else the target's shipped heads
 
             default_heads = draft is None and (head is not None or shipped_heads(self.target.name) is not None)
             proposer = "draft" if draft is not None else "hybrid" if default_heads else "ngram"
@@ -118,8 +118,8 @@ class LLM:
         self.corpus_index = self._build_index(corpus) if proposer == "retrieval" else None
         self.heads = self._load_heads(head) if proposer == "head" or heads_fallback else None
         if proposer == "head":              # one head per drafted position
-            k_max = min(k_max, self.heads.num_heads)
-            k = k if not isinstance(k, int) else min(k, self.heads.num_heads)
+            k_max = min(k_max, self.heads.depth)
+            k = k if not isinstance(k, int) else min(k, self.heads.depth)
         self.k = k if proposer != "none" else 0
         self._k_max = k_max
         self._width_seed: dict[int, float] | None = None     # this machine's calibrated costs (K = auto)
@@ -146,7 +146,7 @@ class LLM:
         if self._draft_seed is not None:
             policy.costs.seed_propose("draft", self._draft_seed)
         if self.heads is not None:
-            policy.limit("head", self.heads.num_heads)
+            policy.limit("head", self.heads.depth)
             policy.costs.seed_propose("head", STATIC_C_Q["head"])     # a few % of a pass (profiled)
         return policy
 
@@ -193,7 +193,7 @@ class LLM:
     def _load_heads(self, path) -> "MedusaHeads":
         """The drafting heads (heads/medusa.py): `path`, else the ones shipped for this target."""
         from verispec.heads import load_heads
-        from verispec.heads.medusa import shipped_heads
+        from verispec.heads import shipped_heads
 
         path = path if path is not None else shipped_heads(self.target.name)
         if path is None:

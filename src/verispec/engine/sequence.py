@@ -32,6 +32,9 @@ class Sequence:
     # The target's final-normed state at the row that scored the pending token, (C,): what drafting
     # heads read (set by the round when the proposer asks for it; None before the first round).
     pending_state: torch.Tensor | None = None
+    # The target's states at the last settled positions, oldest first, (m, C): row i scored
+    # tokens[-m + i] (the last row is pending_state). Kept when the proposer asks for a window (EAGLE).
+    recent_states: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

@@ -40,8 +40,15 @@ class MedusaHeads(nn.Module):
         self.register_buffer("vocab", vocab.to(torch.long), persistent=False)           # (N,)
         self.meta = dict(meta or {})
 
+    kind = "medusa"
+
     @property
     def num_heads(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def depth(self) -> int:
+        """Most drafts per round: one per head."""
         return self.weight.shape[0]
 
     def forward(self, h: torch.Tensor, heads: int | None = None) -> torch.Tensor:
@@ -66,36 +73,20 @@ def save_heads(heads: MedusaHeads, path: str | Path, dtype: torch.dtype = torch.
         save_file(tensors, str(tmp), metadata=meta)
 
 
-def load_heads(path: str | Path, hidden_size: int, vocab_size: int) -> MedusaHeads:
-    """Read and check a heads file against the target it will draft for (InvalidModelFile if not)."""
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            names = set(f.keys())
-            if names != {"weight", "bias", "vocab"}:
-                raise InvalidModelFile(path, f"expected tensors weight, bias and vocab, found {sorted(names)}")
-            shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
-            if meta.get("kind") != "medusa":
-                raise InvalidModelFile(path, f"kind {meta.get('kind')!r} is not a Medusa heads file")
-            h, c = shapes["weight"][:2] if len(shapes["weight"]) == 3 else (0, 0)
-            if shapes["weight"] != (h, c, c) or not 1 <= h <= MAX_HEADS or shapes["bias"] != (h, c):
-                raise InvalidModelFile(path, f"weight {shapes['weight']} and bias {shapes['bias']} are not "
-                                       f"(H, C, C) and (H, C) with 1 ≤ H ≤ {MAX_HEADS}")
-            if c != hidden_size:
-                raise InvalidModelFile(path, f"made for hidden size {c}, but the target's is {hidden_size}")
-            if meta.get("vocab_size") not in (None, str(vocab_size)):
-                raise InvalidModelFile(path, f"made for a vocabulary of {meta.get('vocab_size')} tokens, "
-                                       f"but the target has {vocab_size}")
-            if len(shapes["vocab"]) != 1 or not 1 <= shapes["vocab"][0] <= vocab_size:
-                raise InvalidModelFile(path, f"vocab of shape {shapes['vocab']} is not 1 … {vocab_size} token ids")
-            weight, bias, vocab = f.get_tensor("weight"), f.get_tensor("bias"), f.get_tensor("vocab")
-    except SafetensorError as exc:
-        raise InvalidModelFile(path, f"not a readable safetensors file ({exc})") from None
-    except OSError as exc:
-        raise InvalidModelFile(path, f"cannot be read ({exc.strerror or exc})") from None
+def load_medusa(path: Path, meta: dict, names: set[str], f, hidden_size: int, vocab_size: int) -> MedusaHeads:
+    """Check and read an open Medusa heads file (safe_open handle f) against the target (InvalidModelFile)."""
+    if names != {"weight", "bias", "vocab"}:
+        raise InvalidModelFile(path, f"expected tensors weight, bias and vocab, found {sorted(names)}")
+    shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
+    h, c = shapes["weight"][:2] if len(shapes["weight"]) == 3 else (0, 0)
+    if shapes["weight"] != (h, c, c) or not 1 <= h <= MAX_HEADS or shapes["bias"] != (h, c):
+        raise InvalidModelFile(path, f"weight {shapes['weight']} and bias {shapes['bias']} are not "
+                               f"(H, C, C) and (H, C) with 1 ≤ H ≤ {MAX_HEADS}")
+    if c != hidden_size:
+        raise InvalidModelFile(path, f"made for hidden size {c}, but the target's is {hidden_size}")
+    if len(shapes["vocab"]) != 1 or not 1 <= shapes["vocab"][0] <= vocab_size:
+        raise InvalidModelFile(path, f"vocab of shape {shapes['vocab']} is not 1 … {vocab_size} token ids")
+    weight, bias, vocab = f.get_tensor("weight"), f.get_tensor("bias"), f.get_tensor("vocab")
     if not weight.is_floating_point() or not bias.is_floating_point() or vocab.dtype != torch.int64:
         raise InvalidModelFile(path, "weight and bias must be floating point and vocab int64")
     if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
@@ -110,9 +101,3 @@ def load_heads(path: str | Path, hidden_size: int, vocab_size: int) -> MedusaHea
         heads.bias.copy_(bias.float())
     heads.requires_grad_(False)
     return heads
-
-
-def shipped_heads(target_name: str) -> Path | None:
-    """The heads file that ships with the package for a built-in target, if there is one."""
-    path = Path(__file__).resolve().parent.parent / "data" / "heads" / f"{target_name}.medusa.safetensors"
-    return path if path.is_file() else None

@@ -39,6 +39,7 @@ class Features:
     states: torch.Tensor    # (P, C) float16 final-normed target states
     argmax: torch.Tensor    # (P,) int64 the target's greedy next token at each position
     starts: torch.Tensor    # (W + 1,) window boundaries into P
+    tokens: torch.Tensor | None = None   # (P,) int64 the text's token at each position
 
 
 def windows_of(token_lists: list[list[int]], window: int = WINDOW, min_tail: int | None = None) -> list[list[int]]:
@@ -92,7 +93,8 @@ def extract(model: Transformer, windows: list[list[int]], out_dir: Path,
         parts.append(part)
     lengths = torch.cat([p["lengths"] for p in parts])
     return Features(torch.cat([p["states"] for p in parts]), torch.cat([p["argmax"] for p in parts]),
-                    torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
+                    torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+                    torch.tensor([t for w in windows for t in w], dtype=torch.long))
 
 
 def labelled_rows(features: Features, num_heads: int, windows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,8 @@ class Proposer(ABC):
     name: str = "?"
     wants_states: bool = False      # True: the round keeps the target's state for the pending token
                                     # on each sequence (Sequence.pending_state), as heads need
+    state_window: int = 1           # with wants_states: how many recent settled positions' states the
+                                    # round keeps (Sequence.recent_states) when more than 1
 
     def source_for(self, seq: "Sequence") -> str:
         """Which proposer would draft for this sequence next (a hybrid picks per sequence)."""

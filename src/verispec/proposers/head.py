@@ -1,4 +1,5 @@
-"""`head`: Medusa heads on the target's own state draft the next tokens (heads/medusa.py).
+"""`head`: drafting heads on the target's own state — Medusa heads here (heads/medusa.py), the
+EAGLE-style layer in eagle.py; `head_proposer` picks by the file's kind.
 
 The round keeps, for each sequence, the target's final-normed state at the row that scored its
 pending token (`Sequence.pending_state`). Head i turns it into a guess at the token i places after
@@ -13,14 +14,22 @@ import time
 
 import torch
 
+from verispec.heads.eagle import EagleHead
 from verispec.heads.medusa import MedusaHeads
 from verispec.models import Transformer
 from verispec.proposers.base import Proposal, Proposer, register
+from verispec.proposers.eagle import EagleProposer
 from verispec.sampling import sample_from, warp_probs
 
 
 @register("head")
+def head_proposer(heads: MedusaHeads | EagleHead, target: Transformer) -> Proposer:
+    """The proposer for a heads file of either kind."""
+    return EagleProposer(heads, target) if isinstance(heads, EagleHead) else HeadProposer(heads, target)
+
+
 class HeadProposer(Proposer):
+    name = "head"
     wants_states = True
 
     def __init__(self, heads: MedusaHeads, target: Transformer):

@@ -20,10 +20,11 @@ class HybridProposer(Proposer):
     def __init__(self, draft: Transformer | Proposer, target_vocab: int, n_max: int = 3, n_min: int = 1,
                  k_max: int = 64, vocab: torch.Tensor | None = None):
         """draft: the draft model (with its truncated vocabulary `vocab`), or a ready proposer to fall
-        back on (HeadProposer)."""
+        back on (the heads proposer)."""
         self.draft = draft if isinstance(draft, Proposer) else DraftModelProposer(draft, target_vocab, vocab)
         self.fallback = self.draft.name
         self.wants_states = self.draft.wants_states
+        self.state_window = self.draft.state_window
         self.target_vocab = target_vocab
         self.lookups = Lookups(n_max, n_min, k_max)
 
