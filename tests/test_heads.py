@@ -267,3 +267,25 @@ def test_the_default_proposer_is_lookup_then_the_targets_shipped_heads(monkeypat
     plain = LLM(target, proposer="none").generate(["x = 1"], greedy)[0].token_ids
     assert llm.generate(["x = 1"], greedy)[0].token_ids == plain
     assert LLM(target, draft=target).proposer_name == "draft"
+
+
+def test_hybrid_with_heads_uses_a_match_only_where_lookup_is_right_more_often_than_the_heads():
+    """A 1-token match's first draft is right ~21 % of the time; heads that are right more often draft
+    instead, and what the rounds show moves the choice: a bucket whose drafts keep being accepted wins
+    the sequence back."""
+    from types import SimpleNamespace
+
+    from verispec.proposers.head import HeadProposer
+    from verispec.proposers.hybrid import HybridProposer
+
+    target = tiny_text_model(0)
+    seq = SimpleNamespace(pending_state=torch.zeros(C), tokens=[5, 6, 7, 5, 9, 1, 5], slot=0)   # suffix [5]: 1 token
+    assert HybridProposer(HeadProposer(random_heads(3), target.model), V).source_for(seq) == "ngram:1"
+    hybrid = HybridProposer(HeadProposer(random_heads(3), target.model), V, compare=0.6)
+    assert hybrid.source_for(seq) == "head"
+    low = HybridProposer(HeadProposer(random_heads(3), target.model), V, compare=0.1)
+    assert low.source_for(seq) == "ngram:1"
+    for _ in range(40):                                  # the 1-token matches turn out right every time
+        hybrid._used = {0: "ngram:1"}
+        hybrid.observe([seq], [1])
+    assert hybrid.source_for(seq) == "ngram:1"

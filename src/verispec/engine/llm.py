@@ -190,7 +190,7 @@ class LLM:
 
         return frequent_tokens(self.tokenizer, n, vocab)
 
-    def _load_heads(self, path) -> "MedusaHeads":
+    def _load_heads(self, path) -> "MedusaHeads | EagleHead":
         """The drafting heads (heads/medusa.py): `path`, else the ones shipped for this target."""
         from verispec.heads import load_heads
         from verispec.heads import shipped_heads
@@ -201,6 +201,16 @@ class LLM:
                                 "`verispec train-head --model MODEL --out FILE` trains them")
         return load_heads(path, self.target.config.hidden_size, self.target.config.vocab_size)
 
+    def _heads_first_acceptance(self) -> float:
+        """The heads' held-out first-draft acceptance from their file (0.4 when it does not say)."""
+        import json
+
+        try:
+            value = float(json.loads(self.heads.meta.get("heldout", "{}"))["chain"][0])
+        except (ValueError, KeyError, IndexError, TypeError):
+            return 0.4
+        return min(max(value, 0.0), 1.0)
+
     def make_proposer(self) -> Proposer:
         factory = REGISTRY[self.proposer_name]
         if self.proposer_name == "head":
@@ -209,7 +219,7 @@ class LLM:
             return factory(self.draft.model, self.target.config.vocab_size, self.draft_vocab)
         if self.proposer_name == "hybrid" and self.heads is not None:
             return factory(REGISTRY["head"](self.heads, self.target.model), self.target.config.vocab_size,
-                           *self._ngram_n, k_max=self.policy.k_max)
+                           *self._ngram_n, k_max=self.policy.k_max, compare=self._heads_first_acceptance())
         if self.proposer_name == "hybrid":
             return factory(self.draft.model, self.target.config.vocab_size, *self._ngram_n, k_max=self.policy.k_max,
                            vocab=self.draft_vocab)
