@@ -93,11 +93,14 @@ class EagleHead(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(self, h: torch.Tensor, e: torch.Tensor, pos: torch.Tensor, past: tuple | None = None,
-                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                mask: torch.Tensor | None = None, last_only: bool = False
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """h, e (B, T, C): states and the embeddings of the tokens after them; pos (B, T) their positions
         in the window. past: keys and values (B, KV, P, D) of earlier rows; mask (B, T, P + T) bool, True
         where a row may attend (default: all of past, causal over the new rows).
-        Returns ĥ (B, T, C), the predicted next states, and the keys and values (B, KV, P + T, D)."""
+        Returns ĥ (B, T, C), the predicted next states, and the keys and values (B, KV, P + T, D).
+        last_only: every row gives its keys and values, only the last its ĥ (B, 1, C) — drafting needs
+        no prediction for the settled rows before it, and skips their attention and feed-forward."""
         b, t, _ = h.shape
         nh, nkv, hd = self.dims["num_heads"], self.dims["num_kv_heads"], self.dims["head_dim"]
         u = self.fc(torch.cat([h, e], dim=-1))                                       # (B, T, C)
@@ -110,6 +113,8 @@ class EagleHead(nn.Module):
         p = k.shape[2] - t
         if mask is None:
             mask = torch.ones(t, p + t, dtype=torch.bool).tril(p)[None].expand(b, -1, -1)
+        if last_only:
+            q, u, mask, t = q[:, :, -1:], u[:, -1:], mask[:, -1:], 1
         rep = nh // nkv
         att = torch.einsum("bhtd,bhsd->bhts", q, k.repeat_interleave(rep, dim=1)) / math.sqrt(hd)
         att = att.masked_fill(~mask[:, None], float("-inf")).softmax(-1)             # (B, H, T, P+T)

@@ -68,8 +68,8 @@ class EagleProposer(Proposer):
         # A real row sees the real rows up to itself; a padding row only itself (never seen).
         mask = (torch.ones(width, width, dtype=torch.bool).tril()[None] & real[:, None, :]) \
             | torch.eye(width, dtype=torch.bool)[None]                        # (A, L, L)
-        out, kv = self.head(h, self.embed(ids).float(), pos, mask=mask)
-        cur, last = out[:, -1:], pos[:, -1:]                                  # (A, 1, C), (A, 1)
+        cur, kv = self.head(h, self.embed(ids).float(), pos, mask=mask, last_only=True)   # (A, 1, C)
+        last = pos[:, -1:]                                                    # (A, 1)
         keys = real
         for d in range(k_max):
             logits = self.target.project(cur[:, 0].to(self.target.dtype), self.vocab)      # (A, N)
