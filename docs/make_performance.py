@@ -93,6 +93,9 @@ def suite_section(bench: dict | None) -> list[str]:
         return out + missing("speedup per mode and category", "bash docs/reproduce.sh")
     out += [f"Command: `{command_line(bench)}`  ", f"Environment: {env_line(bench)}. "
             f"Report with every column: [bench-suite.md](results/bench-suite.md).", "",
+            "`hybrid+head` in this run drafted with the Medusa heads that shipped at the time; the EAGLE-style "
+            "head that ships now was measured on the same suite in [bench-eagle.md](results/bench-eagle.md) "
+            "(figures and comparison in [HEADS.md](HEADS.md)).", "",
             f"Speedup = median over the {repeats(bench)} repeat(s) of tokens/s ÷ plain tokens/s on the same prompts "
             "in the same repeat (modes interleaved prompt by prompt, prefill included); decode = the same ratio "
             "over the decode phase alone, as llama.cpp reports its eval speed (the tokens after the first round "

@@ -12,6 +12,9 @@ verispec bench --modes ngram,draft,hybrid,hybrid+head --ks auto --temperatures 0
 # Every proposer at fixed K = 2 and 4 against auto, one repeat (about 27 minutes).
 verispec bench --modes ngram,draft,hybrid --ks 2,4,auto --temperatures 0,0.7 --max-tokens 64 --repeats 1 \
     --json $R/bench-fixedk.json --markdown $R/bench-fixedk.md
+# the shipped drafting head (docs/HEADS.md)
+verispec bench --modes head,hybrid+head,ngram --ks auto,3 --temperatures 0,0.7 --max-tokens 64 --repeats 2 \
+    --json $R/bench-eagle.json --markdown $R/bench-eagle.md
 # Costs of a target pass by width, and of each proposer.
 verispec profile --json $R/profile.json > $R/profile.txt
 # Draft model K sweep (greedy) on a third of the suite.

@@ -53,7 +53,7 @@ class EagleProposer(Proposer):
             return Proposal(tokens, torch.tensor(ks), q, steps={self.name: (0, 0.0)})
         active = [j for j in range(b) if ks[j]]
         a = len(active)
-        ctx = [seqs[j].recent_states[-self.head.window:] for j in active]     # each (m, C)
+        ctx = [seqs[j].recent_states[-min(self.head.window, len(seqs[j].tokens)):] for j in active]  # each (m, C)
         width = max(len(c) for c in ctx)
         c_dim = ctx[0].shape[-1]
         h = torch.zeros(a, width, c_dim)                                      # (A, L, C), left-padded
