@@ -12,24 +12,20 @@ prefill) has no states yet and drafts nothing.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from verispec.heads.eagle import EagleHead
 from verispec.models import Transformer
-from verispec.proposers.base import Proposal, Proposer
+from verispec.proposers.state_draft import StateDrafter
 from verispec.sampling import sample_from, warp_probs
 
 
-class EagleProposer(Proposer):
-    name = "head"
-    wants_states = True
-
+class EagleProposer(StateDrafter):
     def __init__(self, head: EagleHead, target: Transformer):
         self.head = head.quantize()
         self.target = target
         self.state_window = head.window
+        self.depth = head.depth
         self.vocab = head.vocab                                          # (N,) token ids
         self.vocab_size = target.config.vocab_size
         self.embed = target.model.embed_tokens
@@ -38,20 +34,11 @@ class EagleProposer(Proposer):
             out, _ = head(state, state, torch.zeros(1, 1, dtype=torch.long))
             target.project(out[:, 0].to(target.dtype), self.vocab)
 
-    def source_for(self, seq) -> str:
-        return self.name if seq.recent_states is not None else "none"
+    def has_state(self, seq) -> bool:
+        return seq.recent_states is not None
 
-    @torch.inference_mode()
-    def propose(self, seqs, ks):
-        t0 = time.perf_counter()
-        b = len(seqs)
-        ks = [min(k, self.head.depth) if s.recent_states is not None else 0 for s, k in zip(seqs, ks)]
-        k_max = max(ks, default=0)
-        tokens = torch.zeros(b, k_max, dtype=torch.long)
-        q = torch.zeros(b, k_max, self.vocab_size)
-        if k_max == 0:
-            return Proposal(tokens, torch.tensor(ks), q, steps={self.name: (0, 0.0)})
-        active = [j for j in range(b) if ks[j]]
+    def draft(self, seqs, ks, active, tokens, q):
+        k_max = tokens.shape[1]
         a = len(active)
         ctx = [seqs[j].recent_states[-min(self.head.window, len(seqs[j].tokens)):] for j in active]  # each (m, C)
         width = max(len(c) for c in ctx)
@@ -92,4 +79,3 @@ class EagleProposer(Proposer):
             keys = torch.cat([keys, torch.ones(a, 1, dtype=torch.bool)], dim=1)              # (A, L + d + 1)
             cur, kv = self.head(cur, self.embed(self.vocab[drafted])[:, None].float(), last + d + 1,
                                 past=kv, mask=keys[:, None, :])
-        return Proposal(tokens, torch.tensor(ks), q, steps={self.name: (k_max, time.perf_counter() - t0)})

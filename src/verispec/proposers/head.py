@@ -10,15 +10,14 @@ A sequence's first round (right after its prefill) has no state yet and drafts n
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from verispec.heads.eagle import EagleHead
 from verispec.heads.medusa import MedusaHeads
 from verispec.models import Transformer
-from verispec.proposers.base import Proposal, Proposer, register
+from verispec.proposers.base import Proposer, register
 from verispec.proposers.eagle import EagleProposer
+from verispec.proposers.state_draft import StateDrafter
 from verispec.sampling import sample_from, warp_probs
 
 
@@ -28,12 +27,10 @@ def head_proposer(heads: MedusaHeads | EagleHead, target: Transformer) -> Propos
     return EagleProposer(heads, target) if isinstance(heads, EagleHead) else HeadProposer(heads, target)
 
 
-class HeadProposer(Proposer):
-    name = "head"
-    wants_states = True
-
+class HeadProposer(StateDrafter):
     def __init__(self, heads: MedusaHeads, target: Transformer):
         self.heads = heads
+        self.depth = heads.num_heads
         self.target = target
         self.vocab = heads.vocab                                     # (N,) token ids
         self.vocab_size = target.config.vocab_size
@@ -43,22 +40,8 @@ class HeadProposer(Proposer):
             state = torch.zeros(1, target.config.hidden_size)
             target.project(heads(state, 1).to(target.dtype), self.vocab)
 
-    def source_for(self, seq) -> str:
-        """'none' before the sequence's first round (no state to draft from): `auto` then spends
-        neither a probe nor its first try on a round that cannot draft."""
-        return self.name if seq.pending_state is not None else "none"
-
-    @torch.inference_mode()
-    def propose(self, seqs, ks):
-        t0 = time.perf_counter()
-        b = len(seqs)
-        ks = [min(k, self.heads.num_heads) if s.pending_state is not None else 0 for s, k in zip(seqs, ks)]
-        k_max = max(ks, default=0)
-        tokens = torch.zeros(b, k_max, dtype=torch.long)
-        q = torch.zeros(b, k_max, self.vocab_size)
-        if k_max == 0:
-            return Proposal(tokens, torch.tensor(ks), q, steps={self.name: (0, 0.0)})
-        active = [j for j in range(b) if ks[j]]
+    def draft(self, seqs, ks, active, tokens, q):
+        k_max = tokens.shape[1]
         h = torch.stack([seqs[j].pending_state for j in active]).float()           # (A, C)
         g = self.heads(h, k_max)                                                   # (A, K, C)
         logits = self.target.project(g.to(self.target.dtype), self.vocab)          # (A, K, N)
@@ -71,4 +54,3 @@ class HeadProposer(Proposer):
                                torch.tensor([s.params.top_k]), torch.tensor([s.params.top_p]))[0]   # (k, N)
             tokens[j, :k] = self.vocab[sample_from(probs, [s.generator] * k)]
             q[j, :k, self.vocab] = probs        # zero off the heads' vocabulary
-        return Proposal(tokens, torch.tensor(ks), q, steps={self.name: (k_max, time.perf_counter() - t0)})
