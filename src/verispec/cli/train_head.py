@@ -21,8 +21,10 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("train-head", help="train drafting heads on the target's own states (--proposer head)",
                        description="Read text with the target (teacher-forced, features cached and resumable), then "
-                                   "train Medusa heads to predict the target's own next tokens 2 … H+1 places ahead "
-                                   "within a time budget, printing held-out acceptance as they learn.")
+                                   "train Medusa heads to predict the target's own next tokens 2 … H+1 places ahead, "
+                                   "or (--kind eagle) one decoder layer that predicts the target's next state from its "
+                                   "state and the pending token, drafting autoregressively — within a time budget, "
+                                   "printing held-out acceptance as they learn (docs/HEADS.md).")
     p.add_argument("--model", default=DEFAULT_TARGET, help=f"the target the heads draft for (default {DEFAULT_TARGET})")
     p.add_argument("--dtype", default="auto", help="weight format of the target (default auto, as generate)")
     p.add_argument("--kind", default="medusa", choices=["medusa", "eagle"], help="head kind (default medusa)")
