@@ -149,7 +149,7 @@ def _drafts(proposer, params: Params, n: int, k: int, seed: int):
     for i in range(n):
         s = Sequence(i, [10, 20, 30, 40, 50, 60], params, torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=g))),
                      i, frozenset(), None, SpecMetrics("head", "3"))
-        s.recent_states, s.pending_state = state, state[-1]
+        s.recent_states = state
         seqs.append(s)
     proposal = proposer.propose(seqs, [k] * n)
     return proposal.tokens, proposal.q

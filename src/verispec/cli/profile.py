@@ -102,7 +102,6 @@ def _head_cost(target, path, repeats: int = 30) -> float:
     proposer = head_proposer(heads, target.model)
     seq = Sequence(0, list(range(100, 164)), SamplingParams(temperature=0, max_tokens=8), None, 1, frozenset(), None,
                    SpecMetrics("head", "auto"))
-    seq.pending_state = torch.randn(target.config.hidden_size)
     seq.recent_states = torch.randn(getattr(heads, "window", 1), target.config.hidden_size)
     times = []
     for _ in range(repeats):

@@ -29,17 +29,20 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""                  # generated text so far (truncated at a stop string)
     streamed: int = 0               # characters of `text` already handed to a stream
-    # The target's final-normed state at the row that scored the pending token, (C,): what drafting
-    # heads read (set by the round when the proposer asks for it; None before the first round).
-    pending_state: torch.Tensor | None = None
-    # The target's states at the last settled positions, oldest first, (m, C): row i scored
-    # tokens[-m + i] (the last row is pending_state). Kept when the proposer asks for a window (EAGLE).
+    # The target's final-normed states at the last settled positions, oldest first, (m, C): row i
+    # scored tokens[-m + i]. What drafting heads read: kept by the round when the proposer asks for
+    # them (m ≤ Proposer.state_window); None before the first round.
     recent_states: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
         self._decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer else None
         self._hold = max((len(s) for s in self.params.stop), default=1) - 1
+
+    @property
+    def pending_state(self) -> torch.Tensor | None:
+        """The target's state at the row that scored the pending token, (C,)."""
+        return None if self.recent_states is None else self.recent_states[-1]
 
     @property
     def generated(self) -> list[int]:

@@ -127,12 +127,10 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
             if s.append(token):
                 break
         target.cache.set_length(s.slot, len(s.tokens) - 1)
-        if states is not None:                  # row n scored the new pending token
-            s.pending_state = states[state_row[b], n].clone()
-            if proposer.state_window > 1 and not s.finished:    # rows 0 … n scored the n + 1 emitted tokens
-                new = states[state_row[b], : n + 1]
-                kept = new if s.recent_states is None else torch.cat([s.recent_states, new])
-                s.recent_states = kept[-proposer.state_window:].clone()
+        if states is not None and not s.finished:   # rows 0 … n scored the n + 1 emitted tokens
+            new = states[state_row[b], max(0, n + 1 - proposer.state_window): n + 1]
+            kept = new if s.recent_states is None else torch.cat([s.recent_states, new])
+            s.recent_states = kept[-proposer.state_window:].clone()
         verified = min(n + 1, num_draft[b])
         overlaps = result.overlap[b, :verified].tolist() if result.overlap is not None and not alts[b] else []
         s.metrics.record_round(num_draft[b], n, appended, overlaps, sources[b])

@@ -31,10 +31,9 @@ class Proposer(ABC):
     """propose for a batch → tokens (+ optional q); hear back how many were accepted; reset."""
 
     name: str = "?"
-    wants_states: bool = False      # True: the round keeps the target's state for the pending token
-                                    # on each sequence (Sequence.pending_state), as heads need
-    state_window: int = 1           # with wants_states: how many recent settled positions' states the
-                                    # round keeps (Sequence.recent_states) when more than 1
+    wants_states: bool = False      # True: the round keeps the target's states of the last settled
+                                    # positions on each sequence (Sequence.recent_states), as heads need
+    state_window: int = 1           # with wants_states: how many (1: the pending token's state only)
 
     def source_for(self, seq: "Sequence") -> str:
         """Which proposer would draft for this sequence next (a hybrid picks per sequence)."""

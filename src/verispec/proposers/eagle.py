@@ -34,9 +34,6 @@ class EagleProposer(StateDrafter):
             out, _ = head(state, state, torch.zeros(1, 1, dtype=torch.long))
             target.project(out[:, 0].to(target.dtype), self.vocab)
 
-    def has_state(self, seq) -> bool:
-        return seq.recent_states is not None
-
     def draft(self, seqs, ks, active, tokens, q):
         k_max = tokens.shape[1]
         a = len(active)
