@@ -12,6 +12,7 @@ from torch import nn
 
 from verispec import kernels
 from verispec.models import quant
+from verispec.loaders.gguf_blocks import Q4Fields
 from verispec.models.quant import Int8Linear, quantize_int8
 
 @pytest.fixture(params=[v.name for v in kernels.VARIANTS])
@@ -110,13 +111,27 @@ def test_kernel_status_says_why():
     assert kernels.kernel_status().split()[0] in ("active", "off", "unavailable:")
 
 
-def q4_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """A weight on a 16-level affine grid per group of 32, like a dequantized Q4_K tensor."""
+def q4_fields(n: int, k: int, seed: int = 0) -> Q4Fields:
+    """Random Q4_K-style fields: nibbles, 8-bit multipliers, fp16 factors per super-block of 256."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
-    scale = torch.rand(n, k // 32, 1, generator=g) * 0.02 + 0.001
-    low = -8 * scale + torch.randn(n, k // 32, 1, generator=g) * 0.001
-    return (low + q * scale).reshape(n, k)
+    supers = -(-k // 256)
+    return Q4Fields(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                    torch.randint(0, 256, (n, k // 32), generator=g, dtype=torch.uint8),
+                    torch.randint(0, 256, (n, k // 32), generator=g, dtype=torch.uint8),
+                    (torch.rand(n, supers, generator=g) * 1e-4 + 1e-6).half().float(),
+                    (torch.rand(n, supers, generator=g) * 4e-4).half().float())
+
+
+def on_q4(model: nn.Module, chosen) -> dict[str, Q4Fields]:
+    """Round the linears `chosen(name, module)` picks to Q4_K-style fields, give them exactly those
+    weights (as a model prepared from a GGUF has them) and return the fields under the weights' names."""
+    fields = {}
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if isinstance(mod, nn.Linear) and chosen(name, mod):
+                fields[f"{name}.weight"] = quant.round_to_q4(mod.weight)
+                mod.weight.copy_(fields[f"{name}.weight"].dequantized())
+    return fields
 
 
 def _linear(w: torch.Tensor) -> nn.Linear:
@@ -126,29 +141,59 @@ def _linear(w: torch.Tensor) -> nn.Linear:
     return lin
 
 
-def test_int4_quantization_keeps_a_4bit_grid_and_refuses_other_weights():
-    w = q4_weight(40, 96)
+def test_rounding_to_q4_keeps_each_weight_within_half_a_step():
+    w = torch.randn(40, 96) * 0.05
+    w[0] = w[0].abs()                                               # a row with no negative weight
+    fields = quant.round_to_q4(w)
+    groups = w.reshape(40, 3, 32)
+    step = (groups.amax(-1) - groups.amin(-1).clamp_max(0)) / 15
+    err = (fields.dequantized() - w).reshape(40, 3, 32).abs().amax(-1)
+    assert (err <= 0.5 * step * 1.01 + 1e-7).all()                 # 8-bit multipliers: ~0.4 % of a step more
     layer = quant.Int4Linear.from_linear(_linear(w))
-    step = (w.reshape(40, 3, 32).amax(-1) - w.reshape(40, 3, 32).amin(-1)) / 15
-    err = (layer.dequantized() - w).reshape(40, 3, 32).abs().amax(-1)
-    assert (err <= 0.01 * step + 1e-6).all()                        # fp16 scales: a small fraction of a step
-    assert quant.quantize_int4(torch.randn(8, 96)) is None          # not on a grid: stays int8
-    assert quant.quantize_int4(q4_weight(8, 96)[:, :80]) is None    # K not a multiple of 32
+    torch.testing.assert_close(layer.dequantized(), fields.dequantized(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.Int4Linear.from_linear(nn.Linear(80, 8))
 
 
-@pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (200, 1536), (7, 64)])
+def test_a_file_weight_that_is_not_the_model_weight_is_refused():
+    model = nn.Sequential(nn.Linear(64, 16, bias=False))
+    fields = on_q4(model, lambda name, mod: True)
+    quant.quantize_linears(model, "int4", fields=fields)
+    assert isinstance(model[0], quant.Int4Linear)
+    other = nn.Sequential(nn.Linear(64, 16, bias=False))                   # another weight under the same name
+    with pytest.raises(ValueError, match="not the model's"):
+        quant.quantize_linears(other, "int4", fields=fields)
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (200, 1536), (7, 64), (9, 896)])
 def test_int4_packing_round_trips(n, k):
-    g = torch.Generator().manual_seed(n)
-    q = torch.randint(0, 16, (n, k), generator=g)
-    scales, mins = torch.rand(n, k // 32, generator=g), -torch.rand(n, k // 32, generator=g)
-    packed, s16, m16 = kernels.pack_int4(q, scales, mins)
-    assert packed.shape == (-(-n // 16), k // 32, 4, 16) and s16.dtype == torch.float16
-    per_k = lambda v: v.permute(0, 2, 1).reshape(-1, k // 32)[:n].float().repeat_interleave(32, 1)
-    torch.testing.assert_close(kernels.unpack_int4(packed, s16, m16, n), per_k(m16) + q * per_k(s16),
-                               rtol=0, atol=1e-6)
-    assert (packed[0, 0, 0, 0] & 0xF) == q[0, 0] and ((packed[0, 0, 0, 0] >> 16) & 0xF) == q[0, 1]
+    f = q4_fields(n, k, seed=n)
+    packed, groups, supers = kernels.pack_int4(f.q, f.sc, f.m, f.d, f.dmin)
+    assert packed.shape == (-(-n // 16), k // 32, 4, 16) and groups.dtype == torch.uint8
+    assert supers.shape == (-(-n // 16), -(-k // 256), 2, 16) and supers.dtype == torch.float16
+    torch.testing.assert_close(kernels.unpack_int4(packed, groups, supers, n), f.dequantized(), rtol=0, atol=0)
+    assert (packed[0, 0, 0, 0] & 0xF) == f.q[0, 0] and ((packed[0, 0, 0, 0] >> 16) & 0xF) == f.q[0, 1]
     if n > 2:
-        assert ((packed[0, 0, 1, 2] >> 4) & 0xF) == q[2, 10]       # chunk 1 = k 8…15, i = 1 -> k 10
+        assert ((packed[0, 0, 1, 2] >> 4) & 0xF) == f.q[2, 10]       # chunk 1 = k 8…15, i = 1 -> k 10
+    assert groups[0, 0, 1, 1] == f.m[1, 0] and supers[0, -1, 0, 3] == f.d[3, -1].half()
+
+
+def test_q4k_blocks_read_as_the_gguf_package_dequantizes_them():
+    import gguf
+    import numpy as np
+
+    from verispec.loaders.gguf_blocks import parse_q4k
+
+    rng = np.random.default_rng(0)
+    n, k = 5, 512
+    blocks = rng.integers(0, 256, (n * k // 256, 144), dtype=np.uint8)
+    blocks[:, 0:4] = (rng.random((n * k // 256, 2)) * 1e-3).astype(np.float16).view(np.uint8)   # finite d, dmin
+    ref = gguf.quants.dequantize(blocks.reshape(n, -1), gguf.GGMLQuantizationType.Q4_K).reshape(n, k)
+    fields = parse_q4k(blocks.reshape(n, -1), n, k)
+    assert fields.sc.max() < 64 and fields.q.max() < 16
+    torch.testing.assert_close(fields.dequantized(), torch.from_numpy(ref), rtol=0, atol=0)
+    layer = quant.Int4Linear.from_fields(fields)
+    torch.testing.assert_close(layer.dequantized(), torch.from_numpy(ref), rtol=0, atol=0)
 
 
 def round_groups_to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,29 +206,31 @@ def round_groups_to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(g * inv).reshape(m, k), (amax / 127.0)[..., 0]
 
 
-def int4_reference(x: torch.Tensor, layer) -> torch.Tensor:
-    """float64 of gemm4.c's arithmetic: Σ_g (I · scale · s8 + min · Σ_{k in g} x) with I the exact sum
-    of q · q8 over the group."""
-    n = layer.out_features
+def int4_reference(x: torch.Tensor, f: Q4Fields) -> torch.Tensor:
+    """float64 of gemm4.c's arithmetic: Σ_g (I · scale · s8 − min · Σ_{k in g} x) with I the exact sum
+    of q · q8 over the group, scale = d · sc and min = dmin · m."""
+    n, k = f.shape
     q8, s8 = round_groups_to_int8(x)
-    qscale = kernels.unpack_int4(layer.packed, layer.scales, torch.zeros_like(layer.mins), n).double()  # (N, K)
-    mins = layer.mins.permute(0, 2, 1).reshape(-1, layer.mins.shape[1])[:n].double()                  # (N, G)
+    per_group = lambda v: v.double().repeat_interleave(8, dim=1)[:, : k // 32]
+    scale, mins = per_group(f.d) * f.sc.double(), per_group(f.dmin) * f.m.double()                   # (N, G)
+    qscale = (f.q.double().view(n, -1, 32) * scale[..., None]).reshape(n, k)                           # (N, K)
     xq = (q8.double().reshape(len(x), -1, 32) * s8.double()[..., None]).reshape(len(x), -1)            # (M, K)
     gsum = x.double().reshape(len(x), -1, 32).sum(-1)                                                   # (M, G)
-    return xq @ qscale.T + gsum @ mins.T
+    return xq @ qscale.T - gsum @ mins.T
 
 
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 7, 13, 23])
 def test_int4_gemm_matches_reference_and_is_row_exact(native, m):
-    layer = quant.Int4Linear.from_linear(_linear(q4_weight(200, 1536, seed=m)))
+    f = q4_fields(200, 1536, seed=m)
+    layer = quant.Int4Linear.from_fields(f)
     x = torch.randn(m, 1536) * 3
-    out = native.int4_gemm(x, layer.packed, layer.scales, layer.mins)[:, :200]
-    ref = int4_reference(x, layer)
+    out = native.int4_gemm(x, layer.packed, layer.groups, layer.supers)[:, :200]
+    ref = int4_reference(x, f)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     unrounded = x.double() @ layer.dequantized().double().T           # 8-bit rounding of activations is small
     assert (out.double() - unrounded).norm() < 2e-2 * unrounded.norm()
     for i in range(m):
-        alone = native.int4_gemm(x[i:i + 1].contiguous(), layer.packed, layer.scales, layer.mins)
+        alone = native.int4_gemm(x[i:i + 1].contiguous(), layer.packed, layer.groups, layer.supers)
         assert torch.equal(alone[0, :200], out[i])
 
 
@@ -191,17 +238,14 @@ def test_int4_model_mixes_formats_and_keeps_greedy_speculation_exact():
     from conftest import tiny_model
     from verispec import LLM, SamplingParams
 
-    def on_grid(model):
-        with torch.no_grad():
-            for mod in model.modules():
-                if isinstance(mod, nn.Linear) and mod.in_features % 32 == 0 and mod.out_features != 96:
-                    mod.weight.copy_(q4_weight(mod.out_features, mod.in_features) * 10)
-        return model
+    def int4(model):
+        fields = on_q4(model, lambda name, mod: mod.in_features % 32 == 0 and name != "lm_head")
+        return quant.quantize_linears(model, "int4", fields=fields)
 
-    target = quant.quantize_linears(on_grid(tiny_model(0, scale=1.5)), "int4")
-    draft = quant.quantize_linears(on_grid(tiny_model(1, scale=1.5, num_layers=1)), "int4")
+    target = int4(tiny_model(0, scale=1.5))
+    draft = int4(tiny_model(1, scale=1.5, num_layers=1))
     layers = [type(m).__name__ for m in target.modules() if type(m).__name__.endswith("Linear")]
-    assert "Int4Linear" in layers and "Int8Linear" in layers          # the LM head (not on a grid) is int8
+    assert "Int4Linear" in layers and "Int8Linear" in layers          # the LM head (no file fields) is int8
     prompts = [[1, 5, 9, 2, 7], [3, 3], [11, 4, 8, 15, 16, 23, 42, 8, 1]]
     params = SamplingParams(temperature=0, max_tokens=20)
     plain = [o.token_ids for o in LLM(target, proposer="none").generate(prompts, params)]
@@ -290,11 +334,11 @@ def test_every_variant_gives_the_same_matmul_bits():
         first = libs[0].int8_gemm(x, packed, scale)
         for other in libs[1:]:
             assert torch.equal(other.int8_gemm(x, packed, scale), first), (other.variant, m, n, k)
-    layer = quant.Int4Linear.from_linear(_linear(q4_weight(100, 8960)))
+    layer = quant.Int4Linear.from_fields(q4_fields(100, 8960))
     x = torch.randn(5, 8960)
-    first = libs[0].int4_gemm(x, layer.packed, layer.scales, layer.mins)
+    first = libs[0].int4_gemm(x, layer.packed, layer.groups, layer.supers)
     for other in libs[1:]:
-        assert torch.equal(other.int4_gemm(x, layer.packed, layer.scales, layer.mins), first)
+        assert torch.equal(other.int4_gemm(x, layer.packed, layer.groups, layer.supers), first)
     q, kv = torch.randn(2, 12, 5, 128), torch.randn(2, 2, 300, 128)
     positions = torch.stack([torch.arange(290, 295), torch.arange(10, 15)])
     # Attention sums in 16 lanes on AVX-512 and 8 on AVX2: the same values to float rounding.
@@ -322,9 +366,3 @@ def test_an_unknown_or_unsupported_variant_says_why():
                 kernels.load_variant(v.name)
 
 
-def test_int4_finds_the_step_when_a_group_skips_levels():
-    """Levels 0, 2 and 5 steps apart: the smallest gap (2 steps) is not the step; gap / 2 is."""
-    w = torch.full((1, 32), 0.05)
-    w[0, :3] = torch.tensor([0.0, 0.02, 0.05])
-    q, step, low = quant.quantize_int4(w)
-    assert q[0, :4].tolist() == [0, 2, 5, 5] and step.item() == pytest.approx(0.01) and low.item() == 0.0

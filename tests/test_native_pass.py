@@ -154,15 +154,12 @@ def test_every_kernel_variant_gives_the_same_native_pass():
 
 
 def int4_mixed_model(seed: int = 0, **kw):
-    """int4 where the weights lie on a 4-bit grid per group of 32 (as Q4_K tensors do), int8 elsewhere."""
-    from test_kernels import q4_weight
+    """int4 where the file would hold Q4_K fields (gate/up and o here), int8 elsewhere."""
+    from test_kernels import on_q4
 
     model = tiny_model(seed, scale=1.5, **kw)
-    with torch.no_grad():
-        for name, mod in model.named_modules():
-            if name.endswith(("gate_up_proj", "o_proj")):
-                mod.weight.copy_(q4_weight(mod.out_features, mod.in_features, seed) * 10)
-    return quantize_linears(model, "int4")
+    fields = on_q4(model, lambda name, mod: name.endswith(("gate_up_proj", "o_proj")))
+    return quantize_linears(model, "int4", fields=fields)
 
 
 def test_native_pass_runs_int4_layers_like_the_torch_layers():

@@ -104,7 +104,7 @@ def load_model(arg: str | Path, dtype: str | torch.dtype = "auto", device: str =
     if cold:
         model, tok = _prepare_gguf(path, prepared, torch_dtype, device, progress)
         if quant is not None:
-            _quantize_and_cache(model, quant, prepared)
+            _quantize_and_cache(model, quant, prepared, path)
     _check_template(tok, path)
     return LoadedModel(name, model, tok, path, time.perf_counter() - start, cold)
 
@@ -118,9 +118,9 @@ def _check_template(tok, path: Path) -> None:
             raise InvalidModelFile(path, str(err)) from None
 
 
-QUANT_LAYOUT = 5            # bump when a quantized model's saved layout changes (2: packed int8 blocks,
+QUANT_LAYOUT = 6            # bump when a quantized model's saved layout changes (2: packed int8 blocks,
                             # 3: fused qkv_proj and gate_up_proj, 4: int8 blocks k-pair-major,
-                            # 5: int4 in gemm4.c's blocks with fp16 scales)
+                            # 5: int4 in gemm4.c's blocks with fp16 scales, 6: int4 as Q4_K stores it)
 
 
 def _prepared_version(prepared: Path) -> int | None:
@@ -134,9 +134,18 @@ def _quant_file(quant: str | None) -> str:
     return f"model.{quant}.v{QUANT_LAYOUT}.safetensors"
 
 
-def _quantize_and_cache(model: Transformer, quant: str, prepared: Path | None) -> None:
-    """Quantize in place; in a prepared directory, keep the result so later loads skip the work."""
-    quantize_linears(model, quant)
+def _quantize_and_cache(model: Transformer, quant: str, prepared: Path | None, gguf: Path | None = None) -> None:
+    """Quantize in place; in a prepared directory, keep the result so later loads skip the work. int4
+    reads its 4-bit weights from the GGUF the model came from (without one, every linear is int8)."""
+    fields = None
+    if quant == "int4" and gguf is not None:
+        if gguf.is_file():
+            from verispec.loaders.gguf_blocks import q4k_fields
+            fields = q4k_fields(gguf)
+        else:
+            print(f"verispec: int4 takes its 4-bit weights from the model's GGUF, and {gguf} is gone: "
+                  "every linear is int8", file=sys.stderr)
+    quantize_linears(model, quant, fields=fields)
     if prepared is not None and (prepared / "verispec.json").is_file():
         target = prepared / _quant_file(quant)
         with atomic_file(target) as tmp:
@@ -198,7 +207,8 @@ def load_directory(directory: Path, dtype: torch.dtype, device: str,
         raise InvalidModelFile(directory, "no *.safetensors weight files")
     model = build_model(cfg, _read_safetensors(files), dtype, device, directory)
     if quant is not None:
-        _quantize_and_cache(model, quant, directory if meta_path.is_file() else None)
+        source = Path(meta["source"]) if meta_path.is_file() and meta.get("source") else None
+        _quantize_and_cache(model, quant, directory if meta_path.is_file() else None, source)
     return model, tok
 
 

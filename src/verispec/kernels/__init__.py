@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled on first use with the system C compiler and cached.
 
-`gemm.c` and `gemm4.c` hold the quantized matmuls (int8 weights per channel, int4 per group of 32; the
-activations rounded to 16-bit integers per row, integer dot products), `attention.c` the row-by-row
+`gemm.c` and `gemm4.c` hold the quantized matmuls (int8 weights per channel with activations rounded
+to 16-bit integers per row; int4 weights as Q4_K stores them with activations rounded to 8 bits per
+group of 32; integer dot products), `attention.c` the row-by-row
 attention of decode and verify passes (reading a static or paged cache in place), `decoder.c` a whole
 decoder pass of an int8 model in one call (see each file's header). The sources are built into one
 shared library per
@@ -38,7 +39,7 @@ from verispec.kernels.packing import BLOCK, pack_int4, pack_int8, unpack_int4, u
 HERE = Path(__file__).parent
 SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "attention.c", HERE / "decoder.c"]
 HEADER = HERE / "kernels.h"
-ABI = 13
+ABI = 14
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _status = "not loaded"
 
@@ -130,9 +131,9 @@ class NativeKernels:
     def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return _int8_gemm(self.lib, x, packed, scales)
 
-    def int4_gemm(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                  mins: torch.Tensor) -> torch.Tensor:
-        return _int4_gemm(self.lib, x, packed, scales, mins)
+    def int4_gemm(self, x: torch.Tensor, packed: torch.Tensor, groups: torch.Tensor,
+                  supers: torch.Tensor) -> torch.Tensor:
+        return _int4_gemm(self.lib, x, packed, groups, supers)
 
     def attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                     scale: float) -> torch.Tensor | None:
@@ -210,10 +211,10 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> to
     return _load().int8_gemm(x, packed, scales)
 
 
-def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """x (M, K) float32 contiguous, K a multiple of 32; packed, scales and mins from pack_int4 -> (M, N16)
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 contiguous, K a multiple of 32; packed, groups and supers from pack_int4 -> (M, N16)
     float32 with N16 = N rounded up to 16 (the caller drops the padding columns). See gemm4.c."""
-    return _load().int4_gemm(x, packed, scales, mins)
+    return _load().int4_gemm(x, packed, groups, supers)
 
 
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
@@ -245,15 +246,16 @@ def _int8_gemm(lib, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor)
     return y
 
 
-def _int4_gemm(lib, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+def _int4_gemm(lib, x: torch.Tensor, packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     blocks = packed.shape[0]
     if (k % 32 or packed.shape != (blocks, k // 32, 4, BLOCK) or packed.dtype != torch.int32
-            or scales.shape != (blocks, k // 32, BLOCK) or mins.shape != scales.shape
-            or scales.dtype != torch.float16 or mins.dtype != torch.float16):
+            or groups.shape != (blocks, k // 32, 2, BLOCK) or groups.dtype != torch.uint8
+            or supers.shape != (blocks, -(-k // 256), 2, BLOCK) or supers.dtype != torch.float16
+            or not (packed.is_contiguous() and groups.is_contiguous() and supers.is_contiguous())):
         raise ValueError(f"int4_gemm: packed weight {tuple(packed.shape)} does not fit K={k}")
     y = torch.empty(m, blocks * BLOCK, dtype=torch.float32)
-    if lib.verispec_int4_gemm(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
+    if lib.verispec_int4_gemm(x.data_ptr(), packed.data_ptr(), groups.data_ptr(), supers.data_ptr(), y.data_ptr(),
                               m, blocks * BLOCK, k, torch.get_num_threads()):
         raise MemoryError("int4_gemm: no memory for the rounded activations")
     return y

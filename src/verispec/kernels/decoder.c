@@ -21,11 +21,11 @@
  */
 #include "kernels.h"
 
-/* One linear layer: format 0 = int8 (w: gemm.c's packed int8, scale: (N) float32), 1 = int4 (w, scale,
-   mins: gemm4.c's packed words and fp16 scales / minimums). */
+/* One linear layer: format 0 = int8 (w: gemm.c's packed int8, scale: (N) float32, super unused), 1 = int4
+   (w, scale, super: gemm4.c's packed nibbles, the groups' 8-bit multipliers, the super-blocks' fp16 factors). */
 typedef struct {
     int64_t format;
-    const void *w, *scale, *mins;
+    const void *w, *scale, *super;
 } linear_weights;
 
 typedef struct {
@@ -44,7 +44,7 @@ static void linear_ws(const linear_weights *lw, const float *x, int16_t *qx, flo
     if (lw->format == 1) {
         float *xs = sx + R * (K / 32);
         vs_quantize_groups8_ws(x, R, K, (int8_t *)qx, sx, xs);
-        vs_int4_gemm_ws((const int8_t *)qx, sx, xs, lw->w, lw->scale, lw->mins, y, R, N, K);
+        vs_int4_gemm_ws((const int8_t *)qx, sx, xs, lw->w, lw->scale, lw->super, y, R, N, K);
     } else {
         vs_quantize_rows_ws(x, R, K, qx, sx);
         vs_int8_gemm_ws(qx, sx, lw->w, lw->scale, y, R, N, K);

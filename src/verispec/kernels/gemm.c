@@ -98,11 +98,30 @@ static inline __m256i pair(const int16_t *p) {
 
 typedef void (*blk_fn)(const int16_t *, const float *, const int8_t *, const float *, float *, long, long, long);
 #if !USE_ZMM
-KERNEL_P(4, 1) KERNEL_P(2, 1) KERNEL_P(2, 2) KERNEL_P(2, 3) KERNEL_P(2, 4) KERNEL_P(2, 5) KERNEL_P(2, 6)
+KERNEL_P(2, 1) KERNEL_P(2, 2) KERNEL_P(2, 3) KERNEL_P(2, 4) KERNEL_P(2, 5) KERNEL_P(2, 6)
 /* By rows in a group, one 16-column block at a time (measured against 8 columns for 4-6 rows, which
    keeps every accumulator in registers: 15-25 % slower, the widened weights then serve fewer rows). */
 static const blk_fn BY_ROWS[MG + 1] = {0, p_2_1, p_2_2, p_2_3, p_2_4, p_2_5, p_2_6};
 #endif
+
+/* A decode step (one row) over one 16-column block, read as one stream: the block's k pairs in order,
+   two pairs per step into separate accumulators so that the adds do not wait on each other, and the
+   L2 prefetch PFF pairs ahead runs into the next block, which the same thread reads next. Integer
+   sums are exact in any order, so a chunk's int32 total, and every fp32 step after it, are those of
+   the kernels above: the same bits. */
+#define ONE_ROW_STEP(MADD, ACC_T)                                                                 \
+    for (long p0 = 0; p0 < P; p0 += CHUNK) {                                                     \
+        long p1 = p0 + CHUNK < P ? p0 + CHUNK : P, p = p0;                                        \
+        ACC_T a0 = ZERO_I, a1 = ZERO_I, b0 = ZERO_I, b1 = ZERO_I;                                 \
+        for (; p + 2 <= p1; p += 2) {                                                            \
+            _mm_prefetch((const char *)(bp + (p + PFF) * 32), _MM_HINT_T1);                       \
+            _mm_prefetch((const char *)(bp + (p + PF) * 32), _MM_HINT_T0);                        \
+            MADD(a0, a1, p);                                                                      \
+            MADD(b0, b1, p + 1);                                                                  \
+        }                                                                                         \
+        if (p < p1) MADD(a0, a1, p);                                                              \
+        FINISH_CHUNK(a0, a1, b0, b1);                                                             \
+    }
 
 /* One row to 16-bit integers: qx (Kp) with a zero past K, sx = max |x| / 32767. */
 static void quantize_row(const float *x, long K, int16_t *qx, float *sx) {
@@ -126,6 +145,36 @@ static void quantize_row(const float *x, long K, int16_t *qx, float *sx) {
     for (; k < K; k++) qx[k] = (int16_t)lrintf(x[k] * inv);
     if (K & 1) qx[K] = 0;
 }
+
+#if !USE_ZMM
+#define ZERO_I _mm256_setzero_si256()
+#define MADD8(lo, hi, q)                                                                          \
+    do {                                                                                          \
+        __m256i xb = pair(qx + 2 * (q));                                                          \
+        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(widen16(bp + (q) * 32), xb));                 \
+        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(widen16(bp + (q) * 32 + 16), xb));            \
+    } while (0)
+#define FINISH_CHUNK(a0, a1, b0, b1)                                                              \
+    do {                                                                                          \
+        f0 = _mm256_add_ps(f0, _mm256_cvtepi32_ps(_mm256_add_epi32(a0, b0)));                     \
+        f1 = _mm256_add_ps(f1, _mm256_cvtepi32_ps(_mm256_add_epi32(a1, b1)));                     \
+    } while (0)
+static void one_row(const int16_t *qx, const float *sx, const int8_t *wp, const float *scale, float *y,
+                    long N, long P, long c) {
+    const int8_t *bp = wp + (c / BLK) * P * 32;
+    __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps();
+    ONE_ROW_STEP(MADD8, __m256i)
+    __m256 fs[2] = {f0, f1};
+    for (int h = 0; h < 2; h++) {
+        long cv = c + 8 * h, left = N - cv;
+        if (left <= 0) break;
+        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left < 8 ? (int)left : 8),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 sc = _mm256_maskload_ps(scale + cv, mask);
+        _mm256_maskstore_ps(y + cv, mask, _mm256_mul_ps(_mm256_mul_ps(fs[h], sc), _mm256_set1_ps(sx[0])));
+    }
+}
+#endif
 
 #if USE_ZMM
 /* AVX-512 VNNI: one zmm holds a whole 16-column block for one k pair (32 int8 widened to 32 int16,
@@ -177,7 +226,26 @@ static inline __m512i widen32(const int8_t *p) {
         }                                                                                        \
     }
 
-KERNEL_Z(4, 1) KERNEL_Z(2, 1) KERNEL_Z(2, 2) KERNEL_Z(2, 3) KERNEL_Z(2, 4) KERNEL_Z(2, 5) KERNEL_Z(2, 6)
+#define ZERO_I _mm512_setzero_si512()
+#define MADD16(acc, unused, q)                                                                    \
+    do {                                                                                          \
+        int32_t xp;                                                                               \
+        memcpy(&xp, qx + 2 * (q), sizeof xp);                                                     \
+        acc = _mm512_dpwssd_epi32(acc, widen32(bp + (q) * 32), _mm512_set1_epi32(xp));            \
+    } while (0)
+#define FINISH_CHUNK(a0, a1, b0, b1) f0 = _mm512_add_ps(f0, _mm512_cvtepi32_ps(_mm512_add_epi32(a0, b0)))
+static void one_row(const int16_t *qx, const float *sx, const int8_t *wp, const float *scale, float *y,
+                    long N, long P, long c) {
+    const int8_t *bp = wp + (c / BLK) * P * 32;
+    __m512 f0 = _mm512_setzero_ps();
+    ONE_ROW_STEP(MADD16, __m512i)
+    long left = N - c;
+    __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    __m512 sc = _mm512_maskz_loadu_ps(k, scale + c);
+    _mm512_mask_storeu_ps(y + c, k, _mm512_mul_ps(_mm512_mul_ps(f0, sc), _mm512_set1_ps(sx[0])));
+}
+
+KERNEL_Z(2, 1) KERNEL_Z(2, 2) KERNEL_Z(2, 3) KERNEL_Z(2, 4) KERNEL_Z(2, 5) KERNEL_Z(2, 6)
 KERNEL_Z(1, 1) KERNEL_Z(1, 2) KERNEL_Z(1, 3) KERNEL_Z(1, 4) KERNEL_Z(1, 5) KERNEL_Z(1, 6)
 /* By rows in a group: two 16-column blocks at a time, one for an odd last block. */
 static const blk_fn Z_ROWS[2][MG + 1] = {{0, z_1_1, z_1_2, z_1_3, z_1_4, z_1_5, z_1_6},
@@ -187,8 +255,8 @@ static const blk_fn Z_ROWS[2][MG + 1] = {{0, z_1_1, z_1_2, z_1_3, z_1_4, z_1_5, 
 static void int8_tile(const int16_t *qx, const float *sx, const int8_t *wp, const float *scale, float *y,
                       long M, long N, long P, long c0, long c1) {
     long c = c0, groups = (M + MG - 1) / MG;
-    if (M == 1)                                  /* a decode step: 64 columns at a time */
-        for (; c + 64 <= c1; c += 64) z_4_1(qx, sx, wp, scale, y, N, P, c);
+    if (M == 1)                                  /* a decode step: one block at a time, one stream */
+        for (; c < c1; c += BLK) one_row(qx, sx, wp, scale, y, N, P, c);
     for (; c < c1; c += 2 * BLK) {               /* 32 columns (or the last 16), rows in near-equal groups */
         int two = c + 2 * BLK <= c1;
         for (long g = 0, m0 = 0; g < groups; g++) {
@@ -203,8 +271,8 @@ static void int8_tile(const int16_t *qx, const float *sx, const int8_t *wp, cons
 static void int8_tile(const int16_t *qx, const float *sx, const int8_t *wp, const float *scale, float *y,
                       long M, long N, long P, long c0, long c1) {
     long c = c0, groups = (M + MG - 1) / MG;
-    if (M == 1)                                  /* a decode step: 32 columns at a time */
-        for (; c + 32 <= c1; c += 32) p_4_1(qx, sx, wp, scale, y, N, P, c);
+    if (M == 1)                                  /* a decode step: one block at a time, one stream */
+        for (; c < c1; c += BLK) one_row(qx, sx, wp, scale, y, N, P, c);
     for (; c < c1; c += BLK)                     /* each 16-column block, rows in near-equal groups */
         for (long g = 0, m0 = 0; g < groups; g++) {
             long mm = (M - m0) / (groups - g) + ((M - m0) % (groups - g) != 0);

@@ -1,9 +1,11 @@
-/* The int4 matmul: weights on a 16-level affine grid per group of 32 along k (how Q4_K GGUF tensors
- * are stored), w[n, k] = min[n, g] + q[n, k] · scale[n, g] with q in 0 … 15 and g = k / 32; scale
- * and min in fp16. Activations are rounded to 8-bit integers per row and group of 32 (as llama.cpp's
- * Q8 activations are): x[m, k] ≈ q8[m, k] · s8[m, g] with s8 = max |x| / 127 over the group. With
- * I[m, n, g] = Σ_{k in g} q[n, k] · q8[m, k] (an exact integer, |I| ≤ 32 · 15 · 127) and the group's
- * exact float sum X[m, g] = Σ_{k in g} x[m, k]
+/* The int4 matmul: weights as Q4_K GGUF tensors store them, w[n, k] = d[n, s] · sc[n, g] · q[n, k]
+ * − dmin[n, s] · m[n, g], with q in 0 … 15, g = k / 32 the group, s = g / 8 the super-block of 256;
+ * sc and m are 8-bit integers per group (Q4_K's are 6-bit; 8 bits also hold finer ones), d and dmin
+ * fp16 per super-block. scale = d · sc and min = −dmin · m are exact in fp32 (an fp16 times an
+ * integer below 2⁸), so the kernel multiplies by the file's weights exactly. Activations are rounded
+ * to 8-bit integers per row and group of 32 (as llama.cpp's Q8 activations are): x[m, k] ≈ q8[m, k] ·
+ * s8[m, g] with s8 = max |x| / 127 over the group. With I[m, n, g] = Σ_{k in g} q[n, k] · q8[m, k] (an
+ * exact integer, |I| ≤ 32 · 15 · 127) and the group's exact float sum X[m, g] = Σ_{k in g} x[m, k]
  *   y[m, n] = Σ_g ( I[m, n, g] · (scale[n, g] · s8[m, g]) + min[n, g] · X[m, g] )
  * in ascending g, one product and two fp32 FMAs per group. A u8 × s8 dot product of 4 pairs is one
  * lane of vpdpbusd (AVX-512 VNNI), or vpmaddubsw + vpmaddwd on AVX2 (no pair sum reaches 2¹⁵, so
@@ -14,10 +16,10 @@
  * Layout (kernels.pack_int4), 16 output columns per block, zero past N:
  *   wp (ceil(N/16), K/32, 4, 16) uint32: for block b, group g, chunk j (k = 32g + 8j … 32g + 8j + 7),
  *     column c, one 32-bit word whose bits 4i … 4i+3 hold q[c, 32g + 8j + 2i] and bits 16 + 4i …
- *     16 + 4i + 3 hold q[c, 32g + 8j + 2i + 1] (i = 0 … 3): (word >> 4i) & 0x000F000F is then the
- *     int16 pair (q[k], q[k+1]) that vpdpwssd / vpmaddwd multiply with the activation pair.
- *   scale, min (ceil(N/16), K/32, 16) fp16.
- * 5 bits per weight (4 + 2 × 16 / 32): a 1-row pass reads ~60 % of what int8 reads.
+ *     16 + 4i + 3 hold q[c, 32g + 8j + 2i + 1] (i = 0 … 3).
+ *   gs (ceil(N/16), K/32, 2, 16) uint8: sc then m of each column of the group.
+ *   ss (ceil(N/16), ceil(K/256), 2, 16) fp16: d then dmin of each column of the super-block.
+ * 4.625 bits per weight (4 + 2 · 8 / 32 + 2 · 16 / 256; Q4_K itself 4.5).
  * In a word, (word & 0x0F0F0F0F) holds the bytes (q[k], q[k+4], q[k+1], q[k+5]) and
  * ((word >> 4) & 0x0F0F0F0F) the bytes (q[k+2], q[k+6], q[k+3], q[k+7]) with k = 32g + 8j, so the
  * activations are stored in that order within each 8 (Q8_ORDER) and a word of four meets its weights.
@@ -69,8 +71,9 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
 /* One 16-column block for MM rows: a zmm lane is a column. */
 #define KERNEL4(MM)                                                                                \
     static void q4_##MM(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp, \
-                        const uint16_t *sc, const uint16_t *mn, float *y, long N, long G, long b) {  \
+                        const uint8_t *gs, const uint16_t *ss, float *y, long N, long G, long b) {  \
         const __m512i lo4 = _mm512_set1_epi32(0x0F0F0F0F);                                        \
+        const long S = (G + 7) / 8;                                                               \
         __m512 acc[MM];                                                                           \
         for (int m = 0; m < MM; m++) acc[m] = _mm512_setzero_ps();                                \
         for (long g = 0; g < G; g++) {                                                            \
@@ -90,8 +93,13 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
                     isum[m] = _mm512_dpbusd_epi32(isum[m], hi, _mm512_set1_epi32(word32(xr + 4))); \
                 }                                                                                 \
             }                                                                                     \
-            __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + (b * G + g) * 16)));   \
-            __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + (b * G + g) * 16)));  \
+            const uint8_t *gg = gs + (b * G + g) * 32;                                            \
+            const uint16_t *sg = ss + (b * S + g / 8) * 32;                                       \
+            __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg)),   \
+                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)gg)))); \
+            __m512 mv = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(),                          \
+                                                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sg + 16)))), \
+                                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(gg + 16))))); \
             for (int m = 0; m < MM; m++) {                                                        \
                 __m512 t = _mm512_mul_ps(s, _mm512_set1_ps(s8[m * G + g]));                       \
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), t, acc[m]);                 \
@@ -106,8 +114,9 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
 /* One 16-column block for MM rows as two halves of 8 columns (ymm lanes). */
 #define KERNEL4(MM)                                                                                \
     static void q4_##MM(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp, \
-                        const uint16_t *sc, const uint16_t *mn, float *y, long N, long G, long b) {  \
+                        const uint8_t *gs, const uint16_t *ss, float *y, long N, long G, long b) {  \
         const __m256i lo4 = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);          \
+        const long S = (G + 7) / 8;                                                               \
         for (int h = 0; h < 2; h++) {                                                             \
             __m256 acc[MM];                                                                       \
             for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();                            \
@@ -128,8 +137,13 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
                         isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(p, ones));          \
                     }                                                                             \
                 }                                                                                 \
-                __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + (b * G + g) * 16 + 8 * h))); \
-                __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + (b * G + g) * 16 + 8 * h))); \
+                const uint8_t *gg = gs + (b * G + g) * 32 + 8 * h;                                \
+                const uint16_t *sg = ss + (b * S + g / 8) * 32 + 8 * h;                           \
+                __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg)),   \
+                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)gg)))); \
+                __m256 mv = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(),                      \
+                                                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 16)))), \
+                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gg + 16))))); \
                 for (int m = 0; m < MM; m++) {                                                    \
                     __m256 t = _mm256_mul_ps(s, _mm256_set1_ps(s8[m * G + g]));                   \
                     acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), t, acc[m]);             \
@@ -146,25 +160,25 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
 #endif
 
 KERNEL4(1) KERNEL4(2) KERNEL4(3) KERNEL4(4) KERNEL4(5) KERNEL4(6)
-typedef void (*q4_fn)(const int8_t *, long, const float *, const float *, const uint32_t *, const uint16_t *,
+typedef void (*q4_fn)(const int8_t *, long, const float *, const float *, const uint32_t *, const uint8_t *,
                       const uint16_t *, float *, long, long, long);
 static const q4_fn Q4[MG4 + 1] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6};
 
-void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint16_t *sc,
-                     const uint16_t *mn, float *y, long M, long N, long K) {
+void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint8_t *gs,
+                     const uint16_t *ss, float *y, long M, long N, long K) {
     long G = K / 32, blocks = (N + 15) / 16, groups = (M + MG4 - 1) / MG4;
 #pragma omp for schedule(static)
     for (long b = 0; b < blocks; b++)
         for (long gi = 0, m0 = 0; gi < groups; gi++) {          /* rows in near-equal groups */
             long mm = (M - m0) / (groups - gi) + ((M - m0) % (groups - gi) != 0);
-            Q4[mm](q8 + m0 * K, K, s8 + m0 * G, xs + m0 * G, wp, sc, mn, y + m0 * N, N, G, b);
+            Q4[mm](q8 + m0 * K, K, s8 + m0 * G, xs + m0 * G, wp, gs, ss, y + m0 * N, N, G, b);
             m0 += mm;
         }
 }
 
 /* x (M, K) float32 with K a multiple of 32 -> y (M, N). Returns 0, -1 when K is not a multiple of 32,
    -2 when the scratch cannot be allocated. */
-int verispec_int4_gemm(const float *x, const uint32_t *wp, const uint16_t *sc, const uint16_t *mn, float *y,
+int verispec_int4_gemm(const float *x, const uint32_t *wp, const uint8_t *gs, const uint16_t *ss, float *y,
                        long M, long N, long K, int threads) {
     if (K % 32) return -1;
     float *s8 = malloc(sizeof(float) * 2 * M * (K / 32) + M * K + 64);
@@ -174,7 +188,7 @@ int verispec_int4_gemm(const float *x, const uint32_t *wp, const uint16_t *sc, c
 #pragma omp parallel num_threads(threads)
     {
         vs_quantize_groups8_ws(x, M, K, q8, s8, xs);
-        vs_int4_gemm_ws(q8, s8, xs, wp, sc, mn, y, M, N, K);
+        vs_int4_gemm_ws(q8, s8, xs, wp, gs, ss, y, M, N, K);
     }
     free(s8);
     return 0;

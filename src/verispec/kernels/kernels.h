@@ -13,7 +13,7 @@
 #include <omp.h>
 #endif
 
-#define ABI 13
+#define ABI 14
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -49,10 +49,11 @@ void vs_int8_gemm_ws(const int16_t *qx, const float *sx, const int8_t *wp, const
                      long M, long N, long K);
 
 /* int4 matmul (gemm4.c): round each row of x (M, K) to int8 per group of 32 (q8: M × K int8 in the
-   kernel's order, s8: the groups' scales, xs: their exact sums, both M × K/32), then y (M, N). */
+   kernel's order, s8: the groups' scales, xs: their exact sums, both M × K/32), then y (M, N) from the
+   packed nibbles wp, the groups' 8-bit multipliers gs and the super-blocks' fp16 factors ss. */
 void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s8, float *xs);
-void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint16_t *sc,
-                     const uint16_t *mn, float *y, long M, long N, long K);
+void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint8_t *gs,
+                     const uint16_t *ss, float *y, long M, long N, long K);
 
 /* Where a layer's keys and values live: position s of batch row b, KV head h, dimension d is at
    store[tables[b · nb + s / bs] · blk_stride + h · head_stride + (s % bs) · D + d]. A static cache is

@@ -26,10 +26,13 @@ def unpack_int8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return full[:n, :k].contiguous()
 
 
-def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (N, K) integers 0 … 15, scales and mins (N, K/32) -> gemm4.c's layout: packed (ceil(N/16), K/32,
-    4, 16) int32 (bit 4i + 16t of word (b, g, j, c) holds q[16b + c, 32g + 8j + 2i + t]) and scales,
-    mins (ceil(N/16), K/32, 16) float16; zero past N."""
+def pack_int4(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
+              dmin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_K-style weight w[n, k] = d[n, k // 256] · sc[n, k // 32] · q[n, k] − dmin[n, k // 256] ·
+    m[n, k // 32] -> gemm4.c's layout. q (N, K) integers 0 … 15 with K a multiple of 32; sc, m (N, K/32)
+    integers 0 … 255; d, dmin (N, ceil(K/256)) fp16 values. Returns packed (ceil(N/16), K/32, 4, 16) int32
+    (bit 4i + 16t of word (b, g, j, c) holds q[16b + c, 32g + 8j + 2i + t]), groups (ceil(N/16), K/32, 2,
+    16) uint8 (sc, m) and supers (ceil(N/16), ceil(K/256), 2, 16) float16 (d, dmin); zero past N."""
     n, k = q.shape
     blocks, groups = -(-n // BLOCK), k // 32
     qp = torch.zeros(blocks * BLOCK, k, dtype=torch.int32)
@@ -40,21 +43,23 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tupl
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     packed = words.permute(0, 2, 3, 1).contiguous()                          # (b, g, j, c)
 
-    def per_block(v: torch.Tensor) -> torch.Tensor:                          # (N, G) -> (blocks, G, 16) fp16
-        out = torch.zeros(blocks * BLOCK, groups, dtype=torch.float16)
-        out[:n] = v.to(torch.float16)
-        return out.view(blocks, BLOCK, groups).permute(0, 2, 1).contiguous()
+    def per_block(parts: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        cols = parts[0].shape[1]                                             # (N, cols) twice -> (blocks, cols, 2, 16)
+        out = torch.zeros(blocks * BLOCK, 2, cols, dtype=dtype)
+        out[:n] = torch.stack([v.to(dtype) for v in parts], dim=1)
+        return out.view(blocks, BLOCK, 2, cols).permute(0, 3, 2, 1).contiguous()
 
-    return packed, per_block(scales), per_block(mins)
+    return packed, per_block((sc, m), torch.uint8), per_block((d, dmin), torch.float16)
 
 
-def unpack_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int) -> torch.Tensor:
-    """The weight pack_int4's arguments describe, (N, K) float32: min + q · scale in fp32."""
-    blocks, groups = packed.shape[:2]
+def unpack_int4(packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor, n: int) -> torch.Tensor:
+    """The weight pack_int4's arguments describe, (N, K) float32: (d · sc) · q − (dmin · m) in fp32."""
+    blocks, ngroups = packed.shape[:2]
     words = packed.to(torch.int64) & 0xFFFFFFFF                              # (b, g, j, c)
     shifts = 4 * torch.arange(4)[:, None] + 16 * torch.arange(2)[None, :]   # (i, t)
     q = (words[..., None, None] >> shifts) & 0xF                             # (b, g, j, c, i, t)
-    q = q.permute(0, 3, 1, 2, 4, 5).reshape(blocks * BLOCK, groups, 32).float()
-    sc = scales.permute(0, 2, 1).reshape(blocks * BLOCK, groups, 1).float()
-    mn = mins.permute(0, 2, 1).reshape(blocks * BLOCK, groups, 1).float()
-    return (mn + q * sc).reshape(blocks * BLOCK, groups * 32)[:n]
+    q = q.permute(0, 3, 1, 2, 4, 5).reshape(blocks * BLOCK, ngroups, 32).float()
+    per_col = lambda v: v.permute(0, 3, 1, 2).reshape(blocks * BLOCK, v.shape[1], 2).float()   # (N16, cols, 2)
+    g, s = per_col(groups), per_col(supers).repeat_interleave(8, dim=1)[:, :ngroups]
+    scale, low = (s[..., 0] * g[..., 0])[..., None], (s[..., 1] * g[..., 1])[..., None]      # (N16, G, 1)
+    return (q * scale - low).reshape(blocks * BLOCK, ngroups * 32)[:n]

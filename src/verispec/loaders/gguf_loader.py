@@ -170,7 +170,7 @@ def read_config(reader: "gguf.GGUFReader", path: Path) -> ModelConfig:
     )
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> rotate-half halves)."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -228,7 +228,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
         if not np.isfinite(w).all():
             raise InvalidModelFile(path, f"tensor {t.name} holds NaN or infinite values")
         if cfg.architecture == "llama" and ("q_proj" in name or "k_proj" in name):
-            w = _unpermute(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+            w = unpermute(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
         state[name] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
         if on_tensor:
             on_tensor(i + 1, len(chosen))

@@ -38,10 +38,10 @@ class NativeDecoder:
                 target = getattr(record, field)
                 if isinstance(linear, Int4Linear):
                     target.format, target.w = 1, self._pointer(linear.packed)
-                    target.scale, target.mins = self._pointer(linear.scales), self._pointer(linear.mins)
+                    target.scale, target.super = self._pointer(linear.groups), self._pointer(linear.supers)
                 else:
                     target.format, target.w = 0, self._pointer(linear.weight)
-                    target.scale, target.mins = self._pointer(linear.scales), None
+                    target.scale, target.super = self._pointer(linear.scales), None
         self.dims = kernels.DecoderDims(layers=len(layers), C=cfg.hidden_size, H=cfg.num_heads, Hkv=cfg.num_kv_heads,
                                         D=cfg.head_dim, I=cfg.intermediate_size, eps=cfg.rms_norm_eps,
                                         scale=cfg.head_dim ** -0.5)

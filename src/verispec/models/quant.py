@@ -7,15 +7,14 @@ integers with its own scale, integer dot products, each weight read once per pas
 elsewhere in `torch.ops.aten._weight_int8pack_mm` with bf16 activations. Everything around the linears (norms, RoPE, attention, residuals) keeps the
 model's dtype.
 
-int4 (`--dtype int4`): groups of 32 along K with a scale and a minimum each, w = min + q · scale,
-q in 0..15 — an affine 16-level grid per group, which is exactly how Q4_K GGUF weights are stored.
-A weight is put in int4 only when every group already lies on such a grid (a Q4_K tensor); any
-other weight (Q6_K, fp16, …) stays int8. Scales and minimums are kept in fp16 (5 bits per weight in
-all: a decode step reads ~60 % of int8's bytes), which moves a weight by at most ~0.4 % of its
-group's step against the file. The matmul is kernels/gemm4.c: activations rounded to 8 bits per row
-and group of 32 (as llama.cpp rounds them for its 4-bit formats), integer sums per group, 64
-multiply-adds per vector instruction; without the native kernel the layer dequantizes once and runs
-in float32.
+int4 (`--dtype int4`): the GGUF's Q4_K tensors as the file stores them (loaders/gguf_blocks.py):
+w = d · sc · q − dmin · m with q in 0 … 15 per weight, 8-bit sc and m per group of 32, fp16 d and dmin
+per super-block of 256 — 4.625 bits per weight, the file's weights exactly. Every other weight (Q6_K,
+fp16, …) stays int8. The matmul is kernels/gemm4.c: activations rounded to 8 bits per row and group of
+32 (as llama.cpp rounds them for its 4-bit formats), integer sums per group, 64 multiply-adds per
+vector instruction; without the native kernel the layer dequantizes once and runs in float32.
+`Int4Linear.from_linear` quantizes any weight into the same format (round to nearest per group),
+which the tests use.
 """
 
 from __future__ import annotations
@@ -24,9 +23,9 @@ import torch
 from torch import nn
 
 from verispec import kernels
+from verispec.loaders.gguf_blocks import GROUP, SUPER, Q4Fields
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")
-GROUP = 32
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,64 +78,58 @@ class Int8Linear(nn.Module):
         return sub
 
 
-def quantize_int4(weight: torch.Tensor, tol: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(N, K) float -> q (N, K) uint8 in 0 … 15, scales and mins (N, K/32) float32 with w = min + q · scale,
-    or None when some group of 32 is not (within tol of its step) on a 16-level affine grid, or
-    K % 32 != 0.
-
-    A group's step is its smallest gap between distinct values divided by the smallest j = 1, 2, …
-    that explains every value: a group whose levels are, say, 0, 2 and 5 steps apart has gaps of 2
-    and 3 steps and a step of gap / 2. Exact for groups that came from a 4-bit affine format,
-    whichever levels they use."""
+def round_to_q4(weight: torch.Tensor) -> Q4Fields:
+    """(N, K) float, K a multiple of 32 -> the nearest Q4_K-style fields: per group of 32 the affine grid
+    from min(w, 0) to max(w) in 15 steps, its step and minimum rounded to 8-bit multiples of fp16
+    factors per super-block of 256, then each weight to its nearest level."""
     n, k = weight.shape
-    if k % GROUP:
-        return None
-    w = weight.float().reshape(n, k // GROUP, GROUP)                        # (N, G, 32)
-    lo = w.amin(-1, keepdim=True)
-    span = w.amax(-1, keepdim=True) - lo
-    gaps = torch.diff(torch.sort(w, dim=-1).values, dim=-1)                  # (N, G, 31)
-    gaps = torch.where(gaps > 1e-6 * span.clamp_min(1e-30), gaps, torch.full_like(gaps, float("inf")))
-    gap = gaps.amin(-1, keepdim=True)
-    gap = torch.where(torch.isfinite(gap), gap, torch.ones_like(gap))      # constant groups: any step
-    step = torch.empty_like(gap)
-    todo = torch.ones_like(gap, dtype=torch.bool)[..., 0]                    # (N, G) groups still unexplained
-    for j in range(1, 16):
-        idx = todo.nonzero(as_tuple=True)
-        if not idx[0].numel():
-            break
-        cand = gap[idx] / j                                                  # (T, 1)
-        q = torch.round((w[idx] - lo[idx]) / cand)
-        fits = (q.amax(-1) <= 15) & ((lo[idx] + q * cand - w[idx]).abs() <= tol * cand).all(-1)
-        step[idx[0][fits], idx[1][fits]] = cand[fits]
-        todo[idx[0][fits], idx[1][fits]] = False
-    if todo.any():
-        return None
-    q = torch.round((w - lo) / step).to(torch.uint8).reshape(n, k)
-    return q, step[..., 0].contiguous(), lo[..., 0].contiguous()
+    groups, supers = k // GROUP, -(-k // SUPER)
+    w = weight.float().reshape(n, groups, GROUP)
+    low = (-w.amin(-1)).clamp_min(0)                                         # (N, G) the minimum, negated
+    step = (w.amax(-1) + low) / 15
+    pad = lambda v: torch.cat([v, v.new_zeros(n, supers * 8 - groups)], 1).view(n, supers, 8)
+
+    def factor(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:       # v (N, G) >= 0 -> (sc, d)
+        d = (pad(v).amax(-1) / 255).to(torch.float16).float()              # (N, S)
+        dg = d.repeat_interleave(8, dim=1)[:, :groups]
+        mult = torch.where(dg > 0, torch.round(v / dg.clamp_min(1e-30)), torch.zeros_like(v)).clamp(0, 255)
+        return mult.to(torch.uint8), d
+
+    sc, d = factor(step)
+    m, dmin = factor(low)
+    scale = (d.repeat_interleave(8, 1)[:, :groups] * sc.float())[..., None]   # (N, G, 1)
+    minimum = (dmin.repeat_interleave(8, 1)[:, :groups] * m.float())[..., None]
+    q = torch.where(scale > 0, torch.round((w + minimum) / scale.clamp_min(1e-30)), torch.zeros_like(w))
+    return Q4Fields(q.clamp(0, 15).to(torch.uint8).reshape(n, k), sc, m, d, dmin)
 
 
 class Int4Linear(nn.Module):
-    """int4 weights in gemm4.c's layout (kernels.pack_int4): packed (ceil(N/16), K/32, 4, 16) int32,
-    scales and mins (ceil(N/16), K/32, 16) float16."""
+    """int4 weights in gemm4.c's layout (kernels.pack_int4): packed (ceil(N/16), K/32, 4, 16) int32
+    nibbles, groups (ceil(N/16), K/32, 2, 16) uint8 (sc, m), supers (ceil(N/16), ceil(K/256), 2, 16)
+    float16 (d, dmin)."""
 
-    def __init__(self, in_features: int, out_features: int, packed: torch.Tensor, scales: torch.Tensor,
-                 mins: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, in_features: int, out_features: int, packed: torch.Tensor, groups: torch.Tensor,
+                 supers: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("packed", packed)
-        self.register_buffer("scales", scales)
-        self.register_buffer("mins", mins)
+        self.register_buffer("groups", groups)
+        self.register_buffer("supers", supers)
         self.register_buffer("bias", bias)
         self._dense: torch.Tensor | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int4Linear | None":
-        found = quantize_int4(linear.weight.detach())
-        if found is None:
-            return None
-        q, step, low = found                                                # (N, K) 0 … 15; (N, K/32) twice
-        bias = None if linear.bias is None else linear.bias.detach().float()
-        return cls(linear.in_features, linear.out_features, *kernels.pack_int4(q, step, low), bias)
+    def from_fields(cls, fields: Q4Fields, bias: torch.Tensor | None = None) -> "Int4Linear":
+        n, k = fields.shape
+        return cls(k, n, *kernels.pack_int4(fields.q, fields.sc, fields.m, fields.d, fields.dmin),
+                   None if bias is None else bias.detach().float())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
+        """Quantize any weight (K a multiple of 32) into the format by rounding (`round_to_q4`)."""
+        if linear.in_features % GROUP:
+            raise ValueError(f"int4 needs the input size to be a multiple of {GROUP}, not {linear.in_features}")
+        return cls.from_fields(round_to_q4(linear.weight.detach()), linear.bias)
 
     @classmethod
     def empty(cls, linear: nn.Linear) -> "Int4Linear":
@@ -145,14 +138,14 @@ class Int4Linear(nn.Module):
         blocks = -(-n // kernels.BLOCK)
         bias = None if linear.bias is None else torch.empty(n)
         return cls(k, n, torch.empty(blocks, k // GROUP, 4, kernels.BLOCK, dtype=torch.int32),
-                   torch.empty(blocks, k // GROUP, kernels.BLOCK, dtype=torch.float16),
-                   torch.empty(blocks, k // GROUP, kernels.BLOCK, dtype=torch.float16), bias)
+                   torch.empty(blocks, k // GROUP, 2, kernels.BLOCK, dtype=torch.uint8),
+                   torch.empty(blocks, -(-k // SUPER), 2, kernels.BLOCK, dtype=torch.float16), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape                                                     # (..., K)
         x2 = x.reshape(-1, shape[-1]).float().contiguous()                 # (M, K)
         if x2.device.type == "cpu" and kernels.available():
-            y = kernels.int4_gemm(x2, self.packed, self.scales, self.mins)[:, : self.out_features]   # (M, N)
+            y = kernels.int4_gemm(x2, self.packed, self.groups, self.supers)[:, : self.out_features]   # (M, N)
         else:
             if self._dense is None:
                 self._dense = self.dequantized()
@@ -162,14 +155,16 @@ class Int4Linear(nn.Module):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        return kernels.unpack_int4(self.packed, self.scales, self.mins, self.out_features)
+        return kernels.unpack_int4(self.packed, self.groups, self.supers, self.out_features)
 
 
-def quantize_linears(model: nn.Module, fmt: str, state: dict | None = None, prefix: str = "") -> nn.Module:
+def quantize_linears(model: nn.Module, fmt: str, state: dict | None = None, prefix: str = "",
+                     fields: dict[str, Q4Fields] | None = None) -> nn.Module:
     """Swap every nn.Linear (the LM head included) for its quantized form, in place.
 
-    int4 falls back to int8 per layer (see the module docstring). With `state` (a saved quantized
-    state dict) the layers are built as empty shells in the saved layout instead."""
+    int4 puts a linear in int4 where `fields` (the file's Q4_K tensors, `gguf_blocks.q4k_fields`) holds
+    its weight, and in int8 elsewhere (see the module docstring). With `state` (a saved quantized state
+    dict) the layers are built as empty shells in the saved layout instead."""
     if fmt not in ("int8", "int4"):
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     for name, child in list(model.named_children()):
@@ -179,9 +174,15 @@ def quantize_linears(model: nn.Module, fmt: str, state: dict | None = None, pref
             if fmt == "int4":
                 if state is not None:
                     layer = Int4Linear.empty(child) if f"{full}.packed" in state else None
-                else:
-                    layer = Int4Linear.from_linear(child)
+                elif fields is not None and f"{full}.weight" in fields:
+                    found = fields[f"{full}.weight"]
+                    if (found.shape != tuple(child.weight.shape) or not torch.equal(
+                            Q4Fields(*(getattr(found, f)[:16] for f in ("q", "sc", "m", "d", "dmin"))).dequantized(),
+                            child.weight.detach()[:16].float())):
+                        raise ValueError(f"{full}: the file's 4-bit weight {found.shape} is not the model's "
+                                         f"{tuple(child.weight.shape)} weight")
+                    layer = Int4Linear.from_fields(found, child.bias)
             setattr(model, name, layer if layer is not None else Int8Linear(child))
         else:
-            quantize_linears(child, fmt, state, f"{full}.")
+            quantize_linears(child, fmt, state, f"{full}.", fields)
     return model

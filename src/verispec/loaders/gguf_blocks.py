@@ -1,0 +1,92 @@
+"""The 4-bit tensors of a GGUF file as the file stores them (Q4_K), for the int4 format.
+
+A Q4_K tensor keeps, per row and super-block of 256 weights, fp16 factors d and dmin, and per group of
+32 six-bit integers sc and m: w = d · sc · q − dmin · m with q in 0 … 15. `Q4Fields` holds those
+numbers for a whole (N, K) weight; `q4k_fields` reads them from a file without dequantizing, so the
+int4 format (models/quant.py, kernels/gemm4.c) multiplies by exactly the file's weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from verispec.errors import InvalidModelFile
+from verispec.loaders.checkpoint import expected_shapes, fuse_projections
+from verispec.loaders.gguf_loader import Q, unpermute, hf_name, open_reader, read_config
+
+GROUP, SUPER = 32, 256
+
+
+@dataclass
+class Q4Fields:
+    """w[n, k] = d[n, k // 256] · sc[n, k // 32] · q[n, k] − dmin[n, k // 256] · m[n, k // 32].
+
+    q (N, K) uint8 in 0 … 15; sc, m (N, K/32) uint8; d, dmin (N, ceil(K/256)) float32 holding fp16 values."""
+    q: torch.Tensor
+    sc: torch.Tensor
+    m: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantized(self) -> torch.Tensor:
+        """(N, K) float32, each product in fp32 as the kernel forms it."""
+        n, k = self.q.shape
+        per_group = lambda v: v.repeat_interleave(SUPER // GROUP, dim=1)[:, : k // GROUP]
+        scale = (per_group(self.d) * self.sc.float())[..., None]                # (N, G, 1)
+        low = (per_group(self.dmin) * self.m.float())[..., None]
+        return (self.q.float().view(n, k // GROUP, GROUP) * scale - low).reshape(n, k)
+
+    @staticmethod
+    def cat(parts: list["Q4Fields"]) -> "Q4Fields":
+        """Fields of row-stacked weights (a fused projection)."""
+        return Q4Fields(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "sc", "m", "d", "dmin")))
+
+
+def parse_q4k(blocks: np.ndarray, n: int, k: int) -> Q4Fields:
+    """Raw Q4_K rows (N, K/256 · 144) uint8 -> fields. A block is fp16 d, fp16 dmin, 12 bytes of packed
+    6-bit sc and m for its 8 groups, then 128 bytes of nibbles: byte l of chunk c (32 bytes) holds
+    group 2c's weight l in its low nibble and group 2c + 1's weight l in its high nibble."""
+    import gguf
+
+    nb = k // SUPER
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n * nb, 144)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(n, nb)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(n, nb)
+    sc, m = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])                        # (n · nb, 8) each
+    qs = b[:, 16:].reshape(n * nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(n, k)
+    return Q4Fields(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(sc.reshape(n, nb * 8).astype(np.uint8)),
+                    torch.from_numpy(m.reshape(n, nb * 8).astype(np.uint8)), torch.from_numpy(d), torch.from_numpy(dmin))
+
+
+def q4k_fields(path: str | Path) -> dict[str, Q4Fields]:
+    """Every Q4_K linear of a GGUF model, under the model's fused names (q/k/v and gate/up as one weight
+    when all of their parts are Q4_K), plus the unfused parts; other tensors are absent."""
+    path = Path(path)
+    reader = open_reader(path)
+    cfg = read_config(reader, path)
+    want = expected_shapes(cfg)
+    fields: dict[str, Q4Fields] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None or t.tensor_type != Q.Q4_K or not name.endswith("proj.weight") or name not in want:
+            continue
+        n, k = want[name]
+        if k % SUPER or t.data.size != n * (k // SUPER) * 144:
+            raise InvalidModelFile(path, f"tensor {t.name} does not hold {n} rows of {k} Q4_K weights")
+        f = parse_q4k(t.data, n, k)
+        if cfg.architecture == "llama" and ("q_proj" in name or "k_proj" in name):
+            heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+            f = Q4Fields(*(torch.from_numpy(unpermute(getattr(f, a).numpy(), heads)).contiguous()
+                           for a in ("q", "sc", "m", "d", "dmin")))
+        fields[name] = f
+    fuse_projections(fields, combine=Q4Fields.cat)
+    return fields
