@@ -276,7 +276,7 @@ def formats_section(formats: dict | None) -> list[str]:
             "greedy, 64 tokens, prefill excluded, median of 5, the formats alternated. Quality: against fp32 on a fixed 150-token text. "
             f"Bandwidth floor: bytes of weights read per token ÷ ~{bandwidth / 1e9:.0f} GB/s (this machine kind's "
             "2-thread read bandwidth).", ""]
-    bytes_per_param = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.62}  # int4: Q4_K layers at 5 bits, the rest int8
+    bytes_per_param = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.60}  # int4: Q4_K layers at 4.625 bits, the rest int8
     params = {"qwen2.5-coder-0.5b-instruct": 0.494e9 + 0.136e9, "qwen2.5-coder-1.5b-instruct": 1.54e9 + 0.233e9}
     body = []
     for name, entry in formats["models"].items():

@@ -36,8 +36,9 @@ def layer_weights(fmt: str, layers: int, gen: torch.Generator) -> list:
                             torch.rand(n, generator=gen), k))
             else:
                 q = torch.randint(0, 16, (n, k), generator=gen)
-                out.append(("int4", *kernels.pack_int4(q, torch.rand(n, k // 32, generator=gen) * 0.01,
-                                                        -torch.rand(n, k // 32, generator=gen) * 0.08), k))
+                mult = lambda: torch.randint(0, 64, (n, k // 32), generator=gen)
+                factor = lambda: (torch.rand(n, -(-k // 256), generator=gen) * 1e-3).half().float()
+                out.append(("int4", *kernels.pack_int4(q, mult(), mult(), factor(), factor()), k))
     return out
 
 

@@ -65,9 +65,9 @@ def add_model_args(p) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8", "int4"],
                    help="weights: auto (default: int4 on CPU, bfloat16 on GPU), float32 (reference), "
                         "bfloat16, int8 (int8 weights per channel, activations rounded to 16 bits per token "
-                        "inside the native kernel; float32 elsewhere), or int4 (linears already on a 4-bit grid, "
-                        "as Q4_K GGUF tensors are, in int4 with fp16 group scales and activations rounded to 8 bits "
-                        "per group of 32; the others int8)")
+                        "inside the native kernel; float32 elsewhere), or int4 (the GGUF's Q4_K tensors "
+                        "as the file stores them, with activations rounded to 8 bits per group of 32; the other "
+                        "linears int8)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
                    help="keys and values in the cache: auto (the model's dtype), float32, bfloat16 (half the "
                         "memory; runs the torch layers), or int8 (one scale per position and head: ~3.8x the "
