@@ -233,7 +233,7 @@ static inline __m512i widen32(const int8_t *p) {
         memcpy(&xp, qx + 2 * (q), sizeof xp);                                                     \
         acc = _mm512_dpwssd_epi32(acc, widen32(bp + (q) * 32), _mm512_set1_epi32(xp));            \
     } while (0)
-#define FINISH_CHUNK(a0, a1, b0, b1) f0 = _mm512_add_ps(f0, _mm512_cvtepi32_ps(_mm512_add_epi32(a0, b0)))
+#define FINISH_CHUNK(a0, a1, b0, b1) (void)a1, (void)b1, f0 = _mm512_add_ps(f0, _mm512_cvtepi32_ps(_mm512_add_epi32(a0, b0)))  /* one vector a step: a1, b1 unused */
 static void one_row(const int16_t *qx, const float *sx, const int8_t *wp, const float *scale, float *y,
                     long N, long P, long c) {
     const int8_t *bp = wp + (c / BLK) * P * 32;
