@@ -19,7 +19,7 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
 
 
-@pytest.mark.parametrize("fmt", [None, "int8"])
+@pytest.mark.parametrize("fmt", [None, "int8", "int4-all"])
 def test_the_sub_head_gives_the_full_heads_logits_for_its_rows(fmt):
     model = tiny_model(0)
     if fmt:

@@ -112,3 +112,31 @@ def test_int8_rows_selected_keep_their_integers_and_scores():
     x = torch.randn(3, 64)
     assert sub.out_features == 4 and torch.equal(sub.scales, head.scales[rows])
     assert torch.equal(sub(x), head(x)[:, rows])
+
+
+def test_int4_all_puts_every_linear_in_int4_and_is_cached(tmp_path, monkeypatch):
+    """A draft's CPU default: every linear (the LM head too) rounded into the 4-bit format, cached in its
+    own file beside int4's, and loaded back with the same weights."""
+    from test_loader_errors import write_tiny_gguf
+    from verispec.engine.loading import draft_auto_dtype, load_model
+    from verispec.models.quant import Int4Linear
+
+    assert draft_auto_dtype("auto", "cpu") == "int4-all" and draft_auto_dtype("int8", "cpu") == "int8"
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    first = load_model(path, dtype="int4-all")
+    linears = [m for m in first.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert linears and all(isinstance(m, Int4Linear) for m in linears)
+    assert list((tmp_path / "cache").rglob("model.int4-all.v*.safetensors"))
+    second = load_model(path, dtype="int4-all")
+    assert not second.cold
+    for a, b in zip(first.model.state_dict().values(), second.model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert isinstance(load_model(path, dtype="int8").model.lm_head, Int8Linear)     # its own cache
+
+
+def test_an_unknown_draft_dtype_fails_before_any_load():
+    from verispec.errors import VerispecError
+
+    with pytest.raises(VerispecError, match="unknown dtype"):
+        LLM(tiny_model(0), proposer="none", draft_dtype="int3")

@@ -116,18 +116,21 @@ def test_greedy_speculative_equals_plain_on_the_real_pair(real_pair):
 @pytest.mark.real
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_greedy_speculative_equals_plain_on_the_native_pass(fmt):
-    """The CPU formats (int4 the default): every decode and verify pass of both models runs in the
-    native decoder (kernels/decoder.c), and greedy speculation still changes nothing."""
+    """The CPU formats (int4 the default, with the draft in its default int4-all): every decode and
+    verify pass of both models runs in the native decoder (kernels/decoder.c), and greedy speculation
+    still changes nothing, with the draft's vocabulary truncated too."""
     from verispec.engine.loading import load_model
 
     target = load_model("qwen2.5-coder-1.5b-instruct", dtype=fmt)
-    draft = load_model("qwen2.5-coder-0.5b-instruct", dtype=fmt)
+    draft = load_model("qwen2.5-coder-0.5b-instruct", dtype="int4-all" if fmt == "int4" else fmt)
     params = SamplingParams(temperature=0, max_tokens=24)
     plain = [o.token_ids for o in LLM(target, proposer="none").generate(CODE_PROMPTS, params)]
     assert target.model._native is not None or not kernels.available()
     from verispec.heads import shipped_heads
 
-    for llm in (LLM(target, draft=draft, proposer="draft", k=4), LLM(target, proposer="ngram", k=6),
+    for llm in (LLM(target, draft=draft, proposer="draft", k=4), LLM(target, draft=draft, proposer="draft", k=3,
+                                                                   draft_vocab=32768),
+                LLM(target, proposer="ngram", k=6),
                 LLM(target, proposer="head", k=4),
                 LLM(target, proposer="hybrid", head=shipped_heads(target.name), k="auto")):
         assert [o.token_ids for o in llm.generate(CODE_PROMPTS, params)] == plain

@@ -60,7 +60,7 @@ def run(args) -> int:
     from verispec.bench.run import format_markdown, parse_modes, run_bench
     from verispec.bench.suites import load_suite
     from verispec.loaders.builtin import DEFAULT_DRAFT
-    from verispec.engine.loading import load_model
+    from verispec.engine.loading import draft_auto_dtype, load_model
 
     if args.max_tokens < 1 or args.repeats < 1 or (args.limit is not None and args.limit < 1):
         raise VerispecError("--max-tokens, --repeats and --limit must be positive")
@@ -72,13 +72,15 @@ def run(args) -> int:
     target = load_model(args.model, args.dtype, args.device, progress=True)
     draft = None
     if any(m.needs_draft for m in modes):
-        draft = load_model(args.draft or DEFAULT_DRAFT, args.dtype, args.device, progress=True)
+        draft = load_model(args.draft or DEFAULT_DRAFT, draft_auto_dtype(args.draft_dtype, args.device), args.device,
+                           progress=True)
     peers = []
     if "hf" in args.peer:
         from verispec.bench.peers import hf_peers
 
         if draft is None:
-            draft = load_model(args.draft or DEFAULT_DRAFT, args.dtype, args.device, progress=True)
+            draft = load_model(args.draft or DEFAULT_DRAFT, draft_auto_dtype(args.draft_dtype, args.device),
+                               args.device, progress=True)
         print("loading the transformers peer (float32) …", file=sys.stderr, flush=True)
         peers += hf_peers(target, draft, target.tokenizer.stop_token_ids if target.tokenizer else [0])
     if "llamacpp" in args.peer:

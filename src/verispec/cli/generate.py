@@ -44,6 +44,9 @@ def sampling_params(args, max_tokens: int):
                           stop=args.stop)
 
 
+WEIGHT_CHOICES = ["auto", "float32", "bfloat16", "float16", "int8", "int4", "int4-all"]
+
+
 def add_model_args(p) -> None:
     p.add_argument("--model", default=DEFAULT_TARGET,
                    help=f"target: a .gguf file, a Hugging Face directory, or a built-in name (default {DEFAULT_TARGET})")
@@ -62,12 +65,16 @@ def add_model_args(p) -> None:
     p.add_argument("--k", type=parse_k, default="auto",
                    help="draft tokens per round: an integer 0 … 64, or 'auto' (default) to choose per "
                         "sequence and round from measured costs and acceptance, 0 included")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8", "int4"],
+    p.add_argument("--dtype", default="auto", choices=WEIGHT_CHOICES,
                    help="weights: auto (default: int4 on CPU, bfloat16 on GPU), float32 (reference), "
                         "bfloat16, int8 (int8 weights per channel, activations rounded to 16 bits per token "
-                        "inside the native kernel; float32 elsewhere), or int4 (the GGUF's Q4_K tensors "
+                        "inside the native kernel; float32 elsewhere), int4 (the GGUF's Q4_K tensors "
                         "as the file stores them, with activations rounded to 8 bits per group of 32; the other "
-                        "linears int8)")
+                        "linears int8), or int4-all (the other linears rounded into int4 too: faster, further "
+                        "from the file's weights)")
+    p.add_argument("--draft-dtype", default="auto", choices=WEIGHT_CHOICES,
+                   help="the draft model's weights, as --dtype; auto (default) is int4-all on CPU (a draft's "
+                        "weights change how often its guesses are accepted, never the output)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
                    help="keys and values in the cache: auto (the model's dtype), float32, bfloat16 (half the "
                         "memory; runs the torch layers), or int8 (one scale per position and head: ~3.8x the "
@@ -111,7 +118,7 @@ def build_llm(args):
     from verispec import LLM
 
     return LLM(model=args.model, draft=args.draft, proposer=args.proposer, k=args.k, dtype=args.dtype,
-               device=args.device, progress=True, corpus=args.corpus, draft_vocab=args.draft_vocab,
+               draft_dtype=args.draft_dtype, device=args.device, progress=True, corpus=args.corpus, draft_vocab=args.draft_vocab,
                kv_dtype=args.kv_dtype, head=args.head, branches=args.branches)
 
 

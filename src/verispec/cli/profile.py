@@ -32,7 +32,7 @@ def run(args) -> int:
     from verispec.bench.run import machine_line
     from verispec.kernels import machine
     from verispec.loaders.builtin import DEFAULT_DRAFT
-    from verispec.engine.loading import load_model
+    from verispec.engine.loading import draft_auto_dtype, load_model
 
     if not 2 <= args.max_n <= 64 or args.context < 1 or args.repeats < 1:
         raise VerispecError("--max-n must be in 2 … 64, --context and --repeats positive")
@@ -40,7 +40,8 @@ def run(args) -> int:
     if any(not 0 <= a <= 1 for a in alphas):
         raise VerispecError("--alphas must lie in [0, 1]")
     target = load_model(args.model, args.dtype, args.device, progress=True)
-    draft = load_model(args.draft or DEFAULT_DRAFT, args.dtype, args.device, progress=True)
+    draft = load_model(args.draft or DEFAULT_DRAFT, draft_auto_dtype(args.draft_dtype, args.device), args.device,
+                       progress=True)
     from verispec.models.kv_cache import KV_DTYPES
 
     kv = None if args.kv_dtype == "auto" else KV_DTYPES[args.kv_dtype]
@@ -62,7 +63,7 @@ def run(args) -> int:
     if heads_path is not None:
         c_q["head"] = _head_cost(target, heads_path)
     c_q["ngram"] = _lookup_cost(target.tokenizer, args.context)
-    print(f"target {target.name} ({args.dtype}), draft {draft.name}, context {args.context}")
+    print(f"target {target.name} ({args.dtype}), draft {draft.name} ({args.draft_dtype}), context {args.context}")
     print(machine_line(machine()))
     print(f"{'n':>3} {'c_p(n) ms':>10} {'c_p(n)/c_p(1)':>14}")
     for n, v in c_p.items():

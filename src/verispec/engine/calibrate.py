@@ -83,16 +83,19 @@ def width_ratios(model: Transformer, key: str, widths=CALIBRATION_WIDTHS, repeat
     return {int(n): r for n, r in _calibrated(f"{key}|{','.join(map(str, widths))}", measure).items()}
 
 
-def draft_step_ratio(target: Transformer, draft: Transformer, key: str, repeats: int = 3) -> float:
-    """One draft step over one target step, measured alternately (calibration file as width_ratios)."""
+def draft_step_ratio(target: Transformer, draft: Transformer, key: str, repeats: int = 3,
+                     vocab: torch.Tensor | None = None) -> float:
+    """One draft step (its LM head over `vocab` only, when given) over one target step, measured
+    alternately (calibration file as width_ratios)."""
     def measure() -> dict[str, float]:
         t, d = [], []
         for _ in range(repeats):
             t.append(pass_cost(target, 1, repeats=1))
-            d.append(pass_cost(draft, 1, repeats=1))
+            d.append(pass_cost(draft, 1, repeats=1, vocab=vocab))
         return {"ratio": statistics.median(d) / statistics.median(t)}
 
-    return _calibrated(f"draft step|{key}", measure)["ratio"]
+    head = "" if vocab is None else f"|vocab {len(vocab)}"
+    return _calibrated(f"draft step|{key}{head}", measure)["ratio"]
 
 
 def _calibrated(key: str, measure) -> dict:

@@ -19,7 +19,7 @@ from verispec.engine.scheduler import Entry
 from verispec.engine.sequence import Sequence
 from verispec.errors import InvalidRequest, VerispecError
 from verispec.loaders.builtin import DEFAULT_DRAFT, DEFAULT_TARGET
-from verispec.engine.loading import LoadedModel, load_model
+from verispec.engine.loading import LoadedModel, draft_auto_dtype, load_model, parse_dtype
 from verispec.models import Transformer
 from verispec.models.kv_cache import KV_DTYPES
 from verispec.proposers import REGISTRY, Proposer
@@ -83,7 +83,8 @@ class LLM:
                  k: int | str = "auto", dtype: str = "auto", device: str = "cpu", max_batch: int = 32,
                  progress: bool = False, ngram_n: tuple[int, int] = (3, 1), k_max: int = K_MAX,
                  corpus: Seq[str | os.PathLike] | Seq[list[int]] | None = None, draft_vocab: int = 0,
-                 kv_dtype: str = "auto", head: str | os.PathLike | None = None, branches: int | str = "auto"):
+                 kv_dtype: str = "auto", head: str | os.PathLike | None = None, branches: int | str = "auto",
+                 draft_dtype: str = "auto"):
         if proposer is not None and proposer not in REGISTRY:
             raise VerispecError(f"unknown proposer {proposer!r}; choose one of {', '.join(sorted(REGISTRY))}")
         if k != "auto" and (not isinstance(k, int) or not 0 <= k <= K_MAX):
@@ -95,6 +96,9 @@ class LLM:
         if kv_dtype != "auto" and kv_dtype not in KV_DTYPES:
             raise VerispecError(f"kv_dtype must be 'auto' or one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         self.kv_dtype = None if kv_dtype == "auto" else KV_DTYPES[kv_dtype]
+        for value in (dtype, draft_dtype):
+            if value != "auto":
+                parse_dtype(value)                      # an unknown format fails here, before any load
         if branches != "auto" and (not isinstance(branches, int) or not 0 <= branches <= MAX_ALTERNATIVES):
             raise VerispecError(f"branches must be 'auto' or an integer in 0 … {MAX_ALTERNATIVES}, got {branches!r}")
         self.branches = branches
@@ -111,7 +115,8 @@ class LLM:
             raise VerispecError(f"a heads file drafts for --proposer head or hybrid, not {proposer}")
         heads_fallback = proposer == "hybrid" and (head is not None or default_heads)   # lookup, else the heads
         if proposer in NEEDS_DRAFT and not heads_fallback:
-            self.draft = _load(draft if draft is not None else DEFAULT_DRAFT, dtype, device, progress)
+            self.draft = _load(draft if draft is not None else DEFAULT_DRAFT, draft_auto_dtype(draft_dtype, device),
+                               device, progress)
             check_vocab_compatible(self.target, self.draft)
         self.proposer_name = proposer
         self.draft_vocab = self._draft_vocab(draft_vocab)
@@ -130,7 +135,8 @@ class LLM:
                 from verispec.engine.calibrate import draft_step_ratio
 
                 self._draft_seed = draft_step_ratio(
-                    self.target.model, self.draft.model, f"{_format_key(self.target)}|{_format_key(self.draft)}")
+                    self.target.model, self.draft.model, f"{_format_key(self.target)}|{_format_key(self.draft)}",
+                    vocab=self.draft_vocab)
         self.policy = self.new_policy()          # generate()'s; every other engine gets its own
         self.max_batch = max_batch
         self._engine: Engine | None = None

@@ -63,3 +63,18 @@ def unpack_int4(packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor
     g, s = per_col(groups), per_col(supers).repeat_interleave(8, dim=1)[:, :ngroups]
     scale, low = (s[..., 0] * g[..., 0])[..., None], (s[..., 1] * g[..., 1])[..., None]      # (N16, G, 1)
     return (q * scale - low).reshape(blocks * BLOCK, ngroups * 32)[:n]
+
+
+def select_int4_rows(packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor,
+                     rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack_int4's three tensors for the output rows `rows` (N' indices) only: every word, multiplier
+    and factor belongs to one column of its block, so this moves them without unpacking a nibble."""
+    blocks = -(-len(rows) // BLOCK)
+
+    def pick(t: torch.Tensor) -> torch.Tensor:                               # (b, a, j, 16) -> (b', a, j, 16)
+        per_row = t.permute(0, 3, 1, 2).reshape(-1, *t.shape[1:3])           # (N16, a, j)
+        out = torch.zeros(blocks * BLOCK, *t.shape[1:3], dtype=t.dtype)
+        out[: len(rows)] = per_row[rows]
+        return out.view(blocks, BLOCK, *t.shape[1:3]).permute(0, 2, 3, 1).contiguous()
+
+    return pick(packed), pick(groups), pick(supers)

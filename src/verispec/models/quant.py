@@ -13,8 +13,12 @@ per super-block of 256 — 4.625 bits per weight, the file's weights exactly. Ev
 fp16, …) stays int8. The matmul is kernels/gemm4.c: activations rounded to 8 bits per row and group of
 32 (as llama.cpp rounds them for its 4-bit formats), integer sums per group, 64 multiply-adds per
 vector instruction; without the native kernel the layer dequantizes once and runs in float32.
-`Int4Linear.from_linear` quantizes any weight into the same format (round to nearest per group),
-which the tests use.
+`Int4Linear.from_linear` quantizes any weight into the same format (round to nearest per group).
+
+int4-all (a draft model's CPU default): every linear in that 4-bit format — the GGUF's Q4_K tensors as
+stored, every other weight (Q5_0, Q6_K, Q8_0, fp16, …) rounded to nearest into it by `round_to_q4`.
+Not the file's weights exactly, so never a target's format by default; a draft's weights change only
+how often its guesses are accepted, never the output (the target verifies every token).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from torch import nn
 from verispec import kernels
 from verispec.loaders.gguf_blocks import GROUP, SUPER, Q4Fields
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-all")
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,21 +161,28 @@ class Int4Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         return kernels.unpack_int4(self.packed, self.groups, self.supers, self.out_features)
 
+    def select_rows(self, rows: torch.Tensor) -> "Int4Linear":
+        """A linear with only the given output rows: the same nibbles, multipliers and factors."""
+        return Int4Linear(self.in_features, len(rows), *kernels.select_int4_rows(self.packed, self.groups,
+                                                                                 self.supers, rows),
+                          None if self.bias is None else self.bias[rows].clone())
+
 
 def quantize_linears(model: nn.Module, fmt: str, state: dict | None = None, prefix: str = "",
                      fields: dict[str, Q4Fields] | None = None) -> nn.Module:
     """Swap every nn.Linear (the LM head included) for its quantized form, in place.
 
     int4 puts a linear in int4 where `fields` (the file's Q4_K tensors, `gguf_blocks.q4k_fields`) holds
-    its weight, and in int8 elsewhere (see the module docstring). With `state` (a saved quantized state
-    dict) the layers are built as empty shells in the saved layout instead."""
-    if fmt not in ("int8", "int4"):
+    its weight, and in int8 elsewhere; int4-all rounds those others into int4 too (where the input size
+    is a multiple of 32; see the module docstring). With `state` (a saved quantized state dict) the
+    layers are built as empty shells in the saved layout instead."""
+    if fmt not in ("int8", "int4", "int4-all"):
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     for name, child in list(model.named_children()):
         full = f"{prefix}{name}"
         if isinstance(child, nn.Linear):
             layer = None
-            if fmt == "int4":
+            if fmt in ("int4", "int4-all"):
                 if state is not None:
                     layer = Int4Linear.empty(child) if f"{full}.packed" in state else None
                 elif fields is not None and f"{full}.weight" in fields:
@@ -182,6 +193,8 @@ def quantize_linears(model: nn.Module, fmt: str, state: dict | None = None, pref
                         raise ValueError(f"{full}: the file's 4-bit weight {found.shape} is not the model's "
                                          f"{tuple(child.weight.shape)} weight")
                     layer = Int4Linear.from_fields(found, child.bias)
+                elif fmt == "int4-all" and child.in_features % GROUP == 0:
+                    layer = Int4Linear.from_linear(child)
             setattr(model, name, layer if layer is not None else Int8Linear(child))
         else:
             quantize_linears(child, fmt, state, f"{full}.", fields)

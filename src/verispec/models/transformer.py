@@ -235,11 +235,9 @@ class Transformer(nn.Module):
 
 
 def _select_rows(head: nn.Module, vocab: torch.Tensor) -> nn.Module:
-    """A linear with only the output rows in vocab: float weights sliced; an int8 head's integers and
-    scales sliced."""
-    from verispec.models.quant import Int8Linear
-
-    if isinstance(head, Int8Linear):
+    """A linear with only the output rows in vocab: float weights sliced; an int8 or int4 head's
+    integers and factors sliced."""
+    if hasattr(head, "select_rows"):
         return head.select_rows(vocab)
     weight = head.dequantized() if hasattr(head, "dequantized") else head.weight.detach()
     sub = nn.Linear(weight.shape[1], len(vocab), bias=False, dtype=weight.dtype)
