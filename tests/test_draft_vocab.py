@@ -84,3 +84,15 @@ def test_bad_draft_vocab_values_are_errors():
         LLM(target, proposer="ngram", draft_vocab=100)
     with pytest.raises(VerispecError, match="draft_vocab must be"):
         LLM(target, draft=tiny_text_model(1), proposer="draft", draft_vocab=-5)
+    with pytest.raises(VerispecError, match="draft_vocab must be"):
+        LLM(target, draft=tiny_text_model(1), proposer="draft", draft_vocab="most")
+    assert LLM(target, proposer="ngram").draft_vocab is None                 # auto without a draft: nothing
+
+
+def test_auto_truncates_a_draft_models_vocabulary(monkeypatch):
+    from verispec.proposers import draft_vocab
+
+    monkeypatch.setattr(draft_vocab, "DEFAULT_DRAFT_VOCAB", 50)
+    llm = LLM(tiny_text_model(0), draft=tiny_text_model(1), proposer="draft")
+    assert llm.draft_vocab is not None and len(llm.draft_vocab) == 50
+    assert LLM(tiny_text_model(0), draft=tiny_text_model(1), proposer="draft", draft_vocab=0).draft_vocab is None

@@ -178,6 +178,48 @@ def test_int4_packing_round_trips(n, k):
     assert groups[0, 0, 1, 1] == f.m[1, 0] and supers[0, -1, 0, 3] == f.d[3, -1].half()
 
 
+@pytest.mark.parametrize("n,k", [(40, 96), (9, 896), (300, 64)])
+def test_int4_rows_read_only_those_rows_exactly(n, k):
+    f = q4_fields(n, k, seed=n)
+    packed, groups, supers = kernels.pack_int4(f.q, f.sc, f.m, f.d, f.dmin)
+    ids = torch.tensor([[0, n - 1, 3], [n // 2, 3, 1]])
+    rows = kernels.int4_rows(packed, groups, supers, ids)                     # (2, 3, K)
+    assert rows.shape == (2, 3, k)
+    torch.testing.assert_close(rows, f.dequantized()[ids], rtol=0, atol=0)
+    sub = torch.tensor([n - 1, 0, 2])
+    picked = kernels.unpack_int4(*kernels.select_int4_rows(packed, groups, supers, sub), len(sub))
+    torch.testing.assert_close(picked, f.dequantized()[sub], rtol=0, atol=0)
+
+
+def test_int4_embeddings_give_the_files_rows_and_keep_greedy_output():
+    """A model whose token embeddings the file holds as Q4_K: int4 keeps them in that layout (an
+    eighth of the float32 bytes) and every lookup gives exactly the float rows, so the output is the
+    float-embedding model's; a table whose file fields are another weight is refused."""
+    import copy
+
+    from conftest import tiny_model
+    from verispec import LLM, SamplingParams
+
+    model = tiny_model(0, scale=1.5)
+    fields = on_q4(model, lambda name, mod: mod.in_features % 32 == 0 and name != "lm_head")
+    with torch.no_grad():
+        fields["model.embed_tokens.weight"] = quant.round_to_q4(model.model.embed_tokens.weight)
+        model.model.embed_tokens.weight.copy_(fields["model.embed_tokens.weight"].dequantized())
+    prompts, params = [[1, 5, 9, 2, 7], [3, 3]], SamplingParams(temperature=0, max_tokens=16)
+    float_table = quant.quantize_linears(copy.deepcopy(model), "int4", fields={
+        k: v for k, v in fields.items() if k != "model.embed_tokens.weight"})
+    quant.quantize_linears(model, "int4", fields=fields)
+    assert isinstance(model.model.embed_tokens, quant.Int4Embedding)
+    assert isinstance(float_table.model.embed_tokens, nn.Embedding)
+    ids = torch.tensor([[4, 0, 95]])
+    torch.testing.assert_close(model.model.embed_tokens(ids), float_table.model.embed_tokens(ids), rtol=0, atol=0)
+    assert ([o.token_ids for o in LLM(model, proposer="none").generate(prompts, params)]
+            == [o.token_ids for o in LLM(float_table, proposer="none").generate(prompts, params)])
+    other = tiny_model(1)
+    with pytest.raises(ValueError, match="not the model's"):
+        quant.quantize_linears(other, "int4", fields={"model.embed_tokens.weight": fields["model.embed_tokens.weight"]})
+
+
 def test_q4k_blocks_read_as_the_gguf_package_dequantizes_them():
     import gguf
     import numpy as np

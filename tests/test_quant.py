@@ -119,7 +119,7 @@ def test_int4_all_puts_every_linear_in_int4_and_is_cached(tmp_path, monkeypatch)
     own file beside int4's, and loaded back with the same weights."""
     from test_loader_errors import write_tiny_gguf
     from verispec.engine.loading import draft_auto_dtype, load_model
-    from verispec.models.quant import Int4Linear
+    from verispec.models.quant import Int4Embedding, Int4Linear
 
     assert draft_auto_dtype("auto", "cpu") == "int4-all" and draft_auto_dtype("int8", "cpu") == "int8"
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
@@ -127,6 +127,7 @@ def test_int4_all_puts_every_linear_in_int4_and_is_cached(tmp_path, monkeypatch)
     first = load_model(path, dtype="int4-all")
     linears = [m for m in first.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     assert linears and all(isinstance(m, Int4Linear) for m in linears)
+    assert isinstance(first.model.model.embed_tokens, Int4Embedding)           # the table too, rounded
     assert list((tmp_path / "cache").rglob("model.int4-all.v*.safetensors"))
     second = load_model(path, dtype="int4-all")
     assert not second.cold

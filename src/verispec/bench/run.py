@@ -64,11 +64,11 @@ def parse_modes(modes: list[str], ks: list[int | str]) -> list[Mode]:
 
 def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[BenchPrompt], modes: list[Mode],
               temperatures: list[float], max_tokens: int, repeats: int, batch_sizes: list[int] = (1,),
-              seed: int = 0, progress=True, peers: list | None = None, draft_vocab: int = 0, head: str | None = None,
+              seed: int = 0, progress=True, peers: list | None = None, draft_vocab: int | str = "auto", head: str | None = None,
               kv_dtype: str = "auto") -> dict:
     """peers: HFPeer-like modes (bench/peers.py) run on the same prompts, interleaved, batch size 1.
     progress: True (a line on stderr), False, or a callable (done, total, description).
-    draft_vocab: the draft modes' truncated vocabulary (0 = full); kv_dtype: every mode's KV cache format."""
+    draft_vocab: the draft modes' truncated vocabulary ("auto", or N; 0 = full); kv_dtype: every mode's KV cache format."""
     if head is None and any(m.needs_heads for m in modes):
         from verispec.heads import shipped_heads
 

@@ -79,10 +79,10 @@ def add_model_args(p) -> None:
                    help="keys and values in the cache: auto (the model's dtype), float32, bfloat16 (half the "
                         "memory; runs the torch layers), or int8 (one scale per position and head: ~3.8x the "
                         "sequences per GiB of float32, read in place by the native pass)")
-    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+    p.add_argument("--draft-vocab", type=parse_draft_vocab, default="auto", metavar="N",
                    help="let the draft model propose only the N most frequent tokens (its LM head reads N rows "
                         "instead of all; output unchanged: the target verifies over its whole vocabulary). "
-                        "0 = the full vocabulary (default)")
+                        "auto (default): 32768 for a draft model; 0 = the full vocabulary")
     p.add_argument("--branches", type=parse_branches, default="auto",
                    help="alternative continuations lookup verifies beside each draft in the same pass (a token "
                         "tree): 'auto' (default) when they pay at the measured costs, or an integer 0 … 4 "
@@ -102,6 +102,14 @@ def parse_k(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
+def parse_draft_vocab(text: str) -> int | str:
+    import argparse
+
+    if text == "auto" or text.isdigit():
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number, got {text!r}")
 
 
 def parse_branches(text: str) -> int | str:

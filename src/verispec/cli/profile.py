@@ -50,11 +50,12 @@ def run(args) -> int:
                                                      file=sys.stderr, flush=True), kv_dtype=kv)
     print(file=sys.stderr)
     c_q = {"draft": pass_cost(draft.model, 1, args.context, kv_dtype=kv)}
-    if 0 < args.draft_vocab < draft.config.vocab_size:
-        from verispec.proposers.draft_vocab import frequent_tokens
+    from verispec.proposers.draft_vocab import DEFAULT_DRAFT_VOCAB, frequent_tokens
 
-        vocab = frequent_tokens(draft.tokenizer, args.draft_vocab, draft.config.vocab_size)
-        c_q[f"draft/{args.draft_vocab}"] = pass_cost(draft.model, 1, args.context, vocab=vocab, kv_dtype=kv)
+    n = DEFAULT_DRAFT_VOCAB if args.draft_vocab == "auto" else args.draft_vocab
+    if 0 < n < draft.config.vocab_size and draft.tokenizer is not None:
+        vocab = frequent_tokens(draft.tokenizer, n, draft.config.vocab_size)
+        c_q[f"draft/{n}"] = pass_cost(draft.model, 1, args.context, vocab=vocab, kv_dtype=kv)
     heads_path = args.head
     if heads_path is None:
         from verispec.heads import shipped_heads

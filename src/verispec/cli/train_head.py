@@ -175,7 +175,8 @@ def run(args) -> int:
 
         heads = EagleHead(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.intermediate, vocab,
                           depth=args.heads, rms_norm_eps=cfg.rms_norm_eps)
-        embed = model.model.embed_tokens.weight.detach()                                # (V, C)
+        table = model.model.embed_tokens
+        embed = table.dequantized() if hasattr(table, "dequantized") else table.weight.detach()   # (V, C)
         score = train_eagle(heads, embed, head_rows, features, args.minutes, lr=args.lr, unroll=args.unroll,
                             seed=args.seed, log=log)
     else:

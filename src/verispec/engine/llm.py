@@ -82,7 +82,7 @@ class LLM:
     def __init__(self, model: str | Transformer = DEFAULT_TARGET, draft: str | Transformer | None = None, proposer: str | None = None,
                  k: int | str = "auto", dtype: str = "auto", device: str = "cpu", max_batch: int = 32,
                  progress: bool = False, ngram_n: tuple[int, int] = (3, 1), k_max: int = K_MAX,
-                 corpus: Seq[str | os.PathLike] | Seq[list[int]] | None = None, draft_vocab: int = 0,
+                 corpus: Seq[str | os.PathLike] | Seq[list[int]] | None = None, draft_vocab: int | str = "auto",
                  kv_dtype: str = "auto", head: str | os.PathLike | None = None, branches: int | str = "auto",
                  draft_dtype: str = "auto"):
         if proposer is not None and proposer not in REGISTRY:
@@ -179,10 +179,16 @@ class LLM:
             raise VerispecError("a text corpus needs a model with a tokenizer; pass token lists instead")
         return CorpusIndex([self.tokenizer.encode(text) for text in read_corpus(corpus)])
 
-    def _draft_vocab(self, n: int) -> torch.Tensor | None:
-        """The truncated draft vocabulary (proposers/draft_vocab.py), or None for the full one."""
-        if not isinstance(n, int) or n < 0:
-            raise VerispecError(f"draft_vocab must be 0 (the full vocabulary) or a positive integer, got {n!r}")
+    def _draft_vocab(self, n: int | str) -> torch.Tensor | None:
+        """The truncated draft vocabulary (proposers/draft_vocab.py), or None for the full one; "auto" is
+        DEFAULT_DRAFT_VOCAB tokens for a draft model with a tokenizer, else the full vocabulary."""
+        if n == "auto":
+            from verispec.proposers.draft_vocab import DEFAULT_DRAFT_VOCAB
+
+            n = DEFAULT_DRAFT_VOCAB if self.draft is not None and self.tokenizer is not None else 0
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise VerispecError(f"draft_vocab must be 'auto', 0 (the full vocabulary) or a positive integer, "
+                                f"got {n!r}")
         if n == 0:
             return None
         if self.draft is None:

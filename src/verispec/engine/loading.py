@@ -126,9 +126,10 @@ def _check_template(tok, path: Path) -> None:
             raise InvalidModelFile(path, str(err)) from None
 
 
-QUANT_LAYOUT = 6            # bump when a quantized model's saved layout changes (2: packed int8 blocks,
+QUANT_LAYOUT = 7            # bump when a quantized model's saved layout changes (2: packed int8 blocks,
                             # 3: fused qkv_proj and gate_up_proj, 4: int8 blocks k-pair-major,
-                            # 5: int4 in gemm4.c's blocks with fp16 scales, 6: int4 as Q4_K stores it)
+                            # 5: int4 in gemm4.c's blocks with fp16 scales, 6: int4 as Q4_K stores it,
+                            # 7: int4 token embeddings)
 
 
 def _prepared_version(prepared: Path) -> int | None:

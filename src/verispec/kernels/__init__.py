@@ -34,8 +34,8 @@ import torch
 
 from verispec.cache import atomic_file, cache_dir
 from verispec.kernels.abi import CacheLayout, DecoderDims, LayerWeights, LinearWeights  # noqa: F401
-from verispec.kernels.packing import (BLOCK, pack_int4, pack_int8, select_int4_rows, unpack_int4,  # noqa: F401
-                                      unpack_int8)
+from verispec.kernels.packing import (BLOCK, int4_rows, pack_int4, pack_int8, select_int4_rows,  # noqa: F401
+                                      unpack_int4, unpack_int8)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "attention.c", HERE / "decoder.c"]

@@ -54,15 +54,28 @@ def pack_int4(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tenso
 
 def unpack_int4(packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor, n: int) -> torch.Tensor:
     """The weight pack_int4's arguments describe, (N, K) float32: (d · sc) · q − (dmin · m) in fp32."""
-    blocks, ngroups = packed.shape[:2]
-    words = packed.to(torch.int64) & 0xFFFFFFFF                              # (b, g, j, c)
+    per_row = lambda t: t.permute(0, 3, 1, 2).reshape(-1, *t.shape[1:3])     # (b, a, j, 16) -> (N16, a, j)
+    return _int4_dequantized(per_row(packed), per_row(groups), per_row(supers))[:n]
+
+
+def int4_rows(packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (any shape R) of the weight pack_int4's arguments describe, (*R, K) float32 with
+    unpack_int4's values, reading only those rows (an embedding lookup)."""
+    flat = rows.reshape(-1)
+    pick = lambda t: t[flat // BLOCK, :, :, flat % BLOCK]                     # (n, a, j)
+    return _int4_dequantized(pick(packed), pick(groups), pick(supers)).reshape(*rows.shape, -1)
+
+
+def _int4_dequantized(words: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
+    """Per-row fields -> (n, K) float32: words (n, G, 4) int32, groups (n, G, 2) uint8 (sc, m), supers
+    (n, S, 2) float16 (d, dmin)."""
+    n, ngroups = words.shape[:2]
     shifts = 4 * torch.arange(4)[:, None] + 16 * torch.arange(2)[None, :]   # (i, t)
-    q = (words[..., None, None] >> shifts) & 0xF                             # (b, g, j, c, i, t)
-    q = q.permute(0, 3, 1, 2, 4, 5).reshape(blocks * BLOCK, ngroups, 32).float()
-    per_col = lambda v: v.permute(0, 3, 1, 2).reshape(blocks * BLOCK, v.shape[1], 2).float()   # (N16, cols, 2)
-    g, s = per_col(groups), per_col(supers).repeat_interleave(8, dim=1)[:, :ngroups]
-    scale, low = (s[..., 0] * g[..., 0])[..., None], (s[..., 1] * g[..., 1])[..., None]      # (N16, G, 1)
-    return (q * scale - low).reshape(blocks * BLOCK, ngroups * 32)[:n]
+    q = ((words.to(torch.int64) & 0xFFFFFFFF)[..., None, None] >> shifts) & 0xF   # (n, G, j, i, t)
+    q = q.reshape(n, ngroups, 32).float()
+    g, s = groups.float(), supers.float().repeat_interleave(8, dim=1)[:, :ngroups]
+    scale, low = (s[..., 0] * g[..., 0])[..., None], (s[..., 1] * g[..., 1])[..., None]      # (n, G, 1)
+    return (q * scale - low).reshape(n, ngroups * 32)
 
 
 def select_int4_rows(packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor,
@@ -72,9 +85,8 @@ def select_int4_rows(packed: torch.Tensor, groups: torch.Tensor, supers: torch.T
     blocks = -(-len(rows) // BLOCK)
 
     def pick(t: torch.Tensor) -> torch.Tensor:                               # (b, a, j, 16) -> (b', a, j, 16)
-        per_row = t.permute(0, 3, 1, 2).reshape(-1, *t.shape[1:3])           # (N16, a, j)
         out = torch.zeros(blocks * BLOCK, *t.shape[1:3], dtype=t.dtype)
-        out[: len(rows)] = per_row[rows]
+        out[: len(rows)] = t[rows // BLOCK, :, :, rows % BLOCK]
         return out.view(blocks, BLOCK, *t.shape[1:3]).permute(0, 2, 3, 1).contiguous()
 
     return pick(packed), pick(groups), pick(supers)

@@ -68,8 +68,9 @@ def parse_q4k(blocks: np.ndarray, n: int, k: int) -> Q4Fields:
 
 
 def q4k_fields(path: str | Path) -> dict[str, Q4Fields]:
-    """Every Q4_K linear of a GGUF model, under the model's fused names (q/k/v and gate/up as one weight
-    when all of their parts are Q4_K), plus the unfused parts; other tensors are absent."""
+    """Every Q4_K linear of a GGUF model (and its token embeddings when Q4_K), under the model's fused
+    names (q/k/v and gate/up as one weight when all of their parts are Q4_K), plus the unfused parts;
+    other tensors are absent."""
     path = Path(path)
     reader = open_reader(path)
     cfg = read_config(reader, path)
@@ -77,7 +78,8 @@ def q4k_fields(path: str | Path) -> dict[str, Q4Fields]:
     fields: dict[str, Q4Fields] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
-        if name is None or t.tensor_type != Q.Q4_K or not name.endswith("proj.weight") or name not in want:
+        linear = name is not None and (name.endswith("proj.weight") or name == "model.embed_tokens.weight")
+        if not linear or t.tensor_type != Q.Q4_K or name not in want:
             continue
         n, k = want[name]
         if k % SUPER or t.data.size != n * (k // SUPER) * 144:

@@ -168,34 +168,84 @@ class Int4Linear(nn.Module):
                           None if self.bias is None else self.bias[rows].clone())
 
 
+class Int4Embedding(nn.Module):
+    """Token embeddings in gemm4.c's layout (as Int4Linear's buffers, one row per token): a lookup
+    dequantizes only the rows it reads, to exactly the float32 values `dequantized()` gives. The 1.5B's
+    Q4_K embeddings take 0.13 GB this way instead of 0.93 GB in float32."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, packed: torch.Tensor, groups: torch.Tensor,
+                 supers: torch.Tensor):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.register_buffer("packed", packed)
+        self.register_buffer("groups", groups)
+        self.register_buffer("supers", supers)
+
+    @classmethod
+    def from_fields(cls, fields: Q4Fields) -> "Int4Embedding":
+        v, c = fields.shape
+        return cls(v, c, *kernels.pack_int4(fields.q, fields.sc, fields.m, fields.d, fields.dmin))
+
+    @classmethod
+    def empty(cls, embedding: nn.Embedding) -> "Int4Embedding":
+        shell = Int4Linear.empty(nn.Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False,
+                                           device="meta"))
+        return cls(embedding.num_embeddings, embedding.embedding_dim, shell.packed, shell.groups, shell.supers)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (...) -> (..., C) float32."""
+        return kernels.int4_rows(self.packed, self.groups, self.supers, ids.cpu()).to(ids.device)
+
+    def dequantized(self) -> torch.Tensor:
+        return kernels.unpack_int4(self.packed, self.groups, self.supers, self.num_embeddings)
+
+
+def _file_fields(fields: dict[str, Q4Fields], name: str, weight: torch.Tensor) -> Q4Fields | None:
+    """The file's 4-bit fields for a weight, checked against the weight the model holds (the first rows
+    dequantize to it exactly), or None when the file has none for it."""
+    found = fields.get(name) if fields is not None else None
+    if found is None:
+        return None
+    if found.shape != tuple(weight.shape) or not torch.equal(
+            Q4Fields(*(getattr(found, f)[:16] for f in ("q", "sc", "m", "d", "dmin"))).dequantized(),
+            weight.detach()[:16].float()):
+        raise ValueError(f"{name}: the file's 4-bit weight {found.shape} is not the model's "
+                         f"{tuple(weight.shape)} weight")
+    return found
+
+
 def quantize_linears(model: nn.Module, fmt: str, state: dict | None = None, prefix: str = "",
                      fields: dict[str, Q4Fields] | None = None) -> nn.Module:
     """Swap every nn.Linear (the LM head included) for its quantized form, in place.
 
     int4 puts a linear in int4 where `fields` (the file's Q4_K tensors, `gguf_blocks.q4k_fields`) holds
     its weight, and in int8 elsewhere; int4-all rounds those others into int4 too (where the input size
-    is a multiple of 32; see the module docstring). With `state` (a saved quantized state dict) the
-    layers are built as empty shells in the saved layout instead."""
+    is a multiple of 32; see the module docstring). Both keep the token embeddings in int4 the same way
+    (`Int4Embedding`; int4 only where the file's are Q4_K, else they stay float). With `state` (a saved
+    quantized state dict) the layers are built as empty shells in the saved layout instead."""
     if fmt not in ("int8", "int4", "int4-all"):
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    four = fmt in ("int4", "int4-all")
     for name, child in list(model.named_children()):
         full = f"{prefix}{name}"
         if isinstance(child, nn.Linear):
             layer = None
-            if fmt in ("int4", "int4-all"):
-                if state is not None:
-                    layer = Int4Linear.empty(child) if f"{full}.packed" in state else None
-                elif fields is not None and f"{full}.weight" in fields:
-                    found = fields[f"{full}.weight"]
-                    if (found.shape != tuple(child.weight.shape) or not torch.equal(
-                            Q4Fields(*(getattr(found, f)[:16] for f in ("q", "sc", "m", "d", "dmin"))).dequantized(),
-                            child.weight.detach()[:16].float())):
-                        raise ValueError(f"{full}: the file's 4-bit weight {found.shape} is not the model's "
-                                         f"{tuple(child.weight.shape)} weight")
-                    layer = Int4Linear.from_fields(found, child.bias)
-                elif fmt == "int4-all" and child.in_features % GROUP == 0:
-                    layer = Int4Linear.from_linear(child)
+            if four and state is not None:
+                layer = Int4Linear.empty(child) if f"{full}.packed" in state else None
+            elif four and (found := _file_fields(fields, f"{full}.weight", child.weight)) is not None:
+                layer = Int4Linear.from_fields(found, child.bias)
+            elif fmt == "int4-all" and child.in_features % GROUP == 0:
+                layer = Int4Linear.from_linear(child)
             setattr(model, name, layer if layer is not None else Int8Linear(child))
+        elif isinstance(child, nn.Embedding) and four and child.embedding_dim % GROUP == 0:
+            if state is not None:
+                table = Int4Embedding.empty(child) if f"{full}.packed" in state else None
+            elif (found := _file_fields(fields, f"{full}.weight", child.weight)) is not None:
+                table = Int4Embedding.from_fields(found)
+            else:
+                table = Int4Embedding.from_fields(round_to_q4(child.weight.detach())) if fmt == "int4-all" else None
+            if table is not None:
+                setattr(model, name, table)
         else:
             quantize_linears(child, fmt, state, f"{full}.", fields)
     return model
