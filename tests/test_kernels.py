@@ -12,7 +12,7 @@ from torch import nn
 
 from verispec import kernels
 from verispec.models import quant
-from verispec.loaders.gguf_blocks import Q4Fields
+from verispec.loaders.gguf_blocks import Q4Fields, Q6Fields
 from verispec.models.quant import Int8Linear, quantize_int8
 
 @pytest.fixture(params=[v.name for v in kernels.VARIANTS])
@@ -134,6 +134,25 @@ def on_q4(model: nn.Module, chosen) -> dict[str, Q4Fields]:
     return fields
 
 
+def on_q6(model: nn.Module, chosen) -> dict[str, Q6Fields]:
+    """As on_q4, with Q6_K-style fields."""
+    fields = {}
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if isinstance(mod, nn.Linear) and chosen(name, mod):
+                fields[f"{name}.weight"] = quant.round_to_q6(mod.weight)
+                mod.weight.copy_(fields[f"{name}.weight"].dequantized())
+    return fields
+
+
+def q6_fields(n: int, k: int, seed: int = 0) -> Q6Fields:
+    """Random Q6_K-style fields: 6-bit integers, int8 scales per 16, fp16 factors per super-block."""
+    g = torch.Generator().manual_seed(seed)
+    return Q6Fields(torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8),
+                    torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8),
+                    (torch.rand(n, -(-k // 256), generator=g) * 1e-3 + 1e-6).half().float())
+
+
 def _linear(w: torch.Tensor) -> nn.Linear:
     lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
     with torch.no_grad():
@@ -187,7 +206,7 @@ def test_int4_rows_read_only_those_rows_exactly(n, k):
     assert rows.shape == (2, 3, k)
     torch.testing.assert_close(rows, f.dequantized()[ids], rtol=0, atol=0)
     sub = torch.tensor([n - 1, 0, 2])
-    picked = kernels.unpack_int4(*kernels.select_int4_rows(packed, groups, supers, sub), len(sub))
+    picked = kernels.unpack_int4(*kernels.select_block_rows((packed, groups, supers), sub), len(sub))
     torch.testing.assert_close(picked, f.dequantized()[sub], rtol=0, atol=0)
 
 
@@ -238,6 +257,47 @@ def test_q4k_blocks_read_as_the_gguf_package_dequantizes_them():
     torch.testing.assert_close(layer.dequantized(), torch.from_numpy(ref), rtol=0, atol=0)
 
 
+def test_q6k_blocks_read_as_the_gguf_package_dequantizes_them():
+    import gguf
+    import numpy as np
+
+    from verispec.loaders.gguf_blocks import parse_q6k
+
+    rng = np.random.default_rng(1)
+    n, k = 5, 512
+    blocks = rng.integers(0, 256, (n * k // 256, 210), dtype=np.uint8)
+    blocks[:, 208:210] = (rng.random((n * k // 256, 1)) * 1e-3).astype(np.float16).view(np.uint8)   # finite d
+    ref = gguf.quants.dequantize(blocks.reshape(n, -1), gguf.GGMLQuantizationType.Q6_K).reshape(n, k)
+    fields = parse_q6k(blocks.reshape(n, -1), n, k)
+    assert fields.q.max() < 64 and fields.sc.dtype == torch.int8
+    torch.testing.assert_close(fields.dequantized(), torch.from_numpy(ref), rtol=0, atol=0)
+    torch.testing.assert_close(quant.Int6Linear.from_fields(fields).dequantized(), torch.from_numpy(ref), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n,k", [(16, 256), (40, 96), (9, 896), (200, 1536)])
+def test_int6_packing_round_trips_and_selects_rows(n, k):
+    f = q6_fields(n, k, seed=n)
+    packed, scales, supers = kernels.pack_int6(f.q, f.sc, f.d)
+    assert packed.shape == (-(-n // 16), k // 32, 6, 16) and scales.shape == (-(-n // 16), k // 32, 2, 16)
+    assert supers.shape == (-(-n // 16), -(-k // 256), 16) and supers.dtype == torch.float16
+    torch.testing.assert_close(kernels.unpack_int6(packed, scales, supers, n), f.dequantized(), rtol=0, atol=0)
+    assert (packed[0, 0, 0, 0] & 0xF) == (f.q[0, 0] & 0xF)                   # the low nibbles as int4's words
+    assert (packed[0, 0, 4, 0] & 0x3) == f.q[0, 0] >> 4                      # chunk 0, byte lane 0 (k = 0)
+    assert ((packed[0, 0, 4, 0] >> 6) & 0x3) == f.q[0, 10] >> 4              # chunk 1, second lanes, byte 0 (k = 8 + 2)
+    rows = torch.tensor([n - 1, 0, n // 2])
+    torch.testing.assert_close(kernels.int6_rows(packed, scales, supers, rows), f.dequantized()[rows], rtol=0, atol=0)
+    sub = kernels.select_block_rows((packed, scales, supers), rows)
+    torch.testing.assert_close(kernels.unpack_int6(*sub, len(rows)), f.dequantized()[rows], rtol=0, atol=0)
+
+
+def test_rounding_to_q6_keeps_each_weight_within_half_a_step():
+    w = torch.randn(40, 512) * 0.05
+    f = quant.round_to_q6(w)
+    step = w.reshape(40, -1, 16).abs().amax(-1) / 31
+    err = (f.dequantized() - w).reshape(40, -1, 16).abs().amax(-1)
+    assert (err <= 0.5 * step * 1.02 + 1e-7).all()                         # int8 multiples of d: ~0.4 % more
+
+
 def round_groups_to_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gemm4.c's activation rounding, written out: per row and group of 32, s8 = max|x| / 127 and
     q8 = round(x · 127 / max|x|) -> q8 (M, K), s8 (M, K/32)."""
@@ -274,6 +334,26 @@ def test_int4_gemm_matches_reference_and_is_row_exact(native, m):
     for i in range(m):
         alone = native.int4_gemm(x[i:i + 1].contiguous(), layer.packed, layer.groups, layer.supers)
         assert torch.equal(alone[0, :200], out[i])
+
+
+def int6_reference(x: torch.Tensor, f: Q6Fields) -> torch.Tensor:
+    """float64 of gemm6.c's arithmetic: the 8-bit rounded activations times the file's weights."""
+    q8, s8 = round_groups_to_int8(x)
+    xq = (q8.double().reshape(len(x), -1, 32) * s8.double()[..., None]).reshape(len(x), -1)
+    return xq @ f.dequantized().double().T
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 200, 1536), (3, 37, 896), (5, 200, 1536), (7, 40, 8960), (23, 16, 256)])
+def test_int6_gemm_matches_reference_and_is_row_exact(native, m, n, k):
+    f = q6_fields(n, k, seed=m)
+    layer = quant.Int6Linear.from_fields(f)
+    x = torch.randn(m, k) * 3
+    out = native.int6_gemm(x, layer.packed, layer.scales, layer.supers)[:, :n]
+    ref = int6_reference(x, f)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    for i in range(m):
+        alone = native.int6_gemm(x[i:i + 1].contiguous(), layer.packed, layer.scales, layer.supers)
+        assert torch.equal(alone[0, :n], out[i])
 
 
 def test_int4_model_mixes_formats_and_keeps_greedy_speculation_exact():
@@ -381,6 +461,12 @@ def test_every_variant_gives_the_same_matmul_bits():
     first = libs[0].int4_gemm(x, layer.packed, layer.groups, layer.supers)
     for other in libs[1:]:
         assert torch.equal(other.int4_gemm(x, layer.packed, layer.groups, layer.supers), first)
+    six = quant.Int6Linear.from_fields(q6_fields(100, 8960))
+    for m in (1, 5, 7):
+        x = torch.randn(m, 8960)
+        first = libs[0].int6_gemm(x, six.packed, six.scales, six.supers)
+        for other in libs[1:]:
+            assert torch.equal(other.int6_gemm(x, six.packed, six.scales, six.supers), first), (other.variant, m)
     q, kv = torch.randn(2, 12, 5, 128), torch.randn(2, 2, 300, 128)
     positions = torch.stack([torch.arange(290, 295), torch.arange(10, 15)])
     # Attention sums in 16 lanes on AVX-512 and 8 on AVX2: the same values to float rounding.

@@ -154,21 +154,24 @@ def test_every_kernel_variant_gives_the_same_native_pass():
 
 
 def int4_mixed_model(seed: int = 0, **kw):
-    """int4 where the file would hold Q4_K fields (gate/up and o here), int8 elsewhere."""
-    from test_kernels import on_q4
+    """int4 where the file would hold Q4_K fields (gate/up and o here), int6 where it would hold Q6_K
+    (down and the LM head), int8 elsewhere."""
+    from test_kernels import on_q4, on_q6
 
     model = tiny_model(seed, scale=1.5, **kw)
     fields = on_q4(model, lambda name, mod: name.endswith(("gate_up_proj", "o_proj")))
+    fields |= on_q6(model, lambda name, mod: name.endswith(("down_proj", "lm_head")))
     return quantize_linears(model, "int4", fields=fields)
 
 
 def test_native_pass_runs_int4_layers_like_the_torch_layers():
-    from verispec.models.quant import Int4Linear
+    from verispec.models.quant import Int4Linear, Int6Linear
 
     model = int4_mixed_model()
     formats = {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Linear")}
-    assert {"Int4Linear", "Int8Linear"} <= formats and NativeDecoder.build(model) is not None
+    assert {"Int4Linear", "Int6Linear", "Int8Linear"} <= formats and NativeDecoder.build(model) is not None
     assert isinstance(model.model.layers[0].mlp.gate_up_proj, Int4Linear)
+    assert isinstance(model.model.layers[0].mlp.down_proj, Int6Linear)
     caches = {n: KVCache.for_model(model.config, 2, 128, torch.float32) for n in (True, False)}
     prompts = [list(range(1, 71)), list(range(20, 90))]
     for native, cache in caches.items():

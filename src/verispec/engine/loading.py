@@ -126,10 +126,10 @@ def _check_template(tok, path: Path) -> None:
             raise InvalidModelFile(path, str(err)) from None
 
 
-QUANT_LAYOUT = 7            # bump when a quantized model's saved layout changes (2: packed int8 blocks,
+QUANT_LAYOUT = 8            # bump when a quantized model's saved layout changes (2: packed int8 blocks,
                             # 3: fused qkv_proj and gate_up_proj, 4: int8 blocks k-pair-major,
                             # 5: int4 in gemm4.c's blocks with fp16 scales, 6: int4 as Q4_K stores it,
-                            # 7: int4 token embeddings)
+                            # 7: int4 token embeddings, 8: Q6_K linears in int6)
 
 
 def _prepared_version(prepared: Path) -> int | None:
@@ -145,13 +145,13 @@ def _quant_file(quant: str | None) -> str:
 
 def _quantize_and_cache(model: Transformer, quant: str, prepared: Path | None, gguf: Path | None = None) -> None:
     """Quantize in place; in a prepared directory, keep the result so later loads skip the work. int4
-    reads its 4-bit weights from the GGUF the model came from (without one, every linear is int8;
+    reads its 4- and 6-bit weights from the GGUF the model came from (without one, every linear is int8;
     int4-all rounds every linear instead)."""
     fields = None
     if quant in ("int4", "int4-all") and gguf is not None:
         if gguf.is_file():
-            from verispec.loaders.gguf_blocks import q4k_fields
-            fields = q4k_fields(gguf)
+            from verispec.loaders.gguf_blocks import block_fields, q4k_fields
+            fields = block_fields(gguf) if quant == "int4" else q4k_fields(gguf)
         elif quant == "int4":
             print(f"verispec: int4 takes its 4-bit weights from the model's GGUF, and {gguf} is gone: "
                   "every linear is int8", file=sys.stderr)

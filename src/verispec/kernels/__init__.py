@@ -1,8 +1,8 @@
 """Native CPU kernels, compiled on first use with the system C compiler and cached.
 
-`gemm.c` and `gemm4.c` hold the quantized matmuls (int8 weights per channel with activations rounded
-to 16-bit integers per row; int4 weights as Q4_K stores them with activations rounded to 8 bits per
-group of 32; integer dot products), `attention.c` the row-by-row
+`gemm.c`, `gemm4.c` and `gemm6.c` hold the quantized matmuls (int8 weights per channel with activations
+rounded to 16-bit integers per row; int4 and int6 weights as Q4_K and Q6_K store them with activations
+rounded to 8 bits per group of 32; integer dot products), `attention.c` the row-by-row
 attention of decode and verify passes (reading a static or paged cache in place), `decoder.c` a whole
 decoder pass of an int8 model in one call (see each file's header). The sources are built into one
 shared library per
@@ -34,13 +34,13 @@ import torch
 
 from verispec.cache import atomic_file, cache_dir
 from verispec.kernels.abi import CacheLayout, DecoderDims, LayerWeights, LinearWeights  # noqa: F401
-from verispec.kernels.packing import (BLOCK, int4_rows, pack_int4, pack_int8, select_int4_rows,  # noqa: F401
-                                      unpack_int4, unpack_int8)
+from verispec.kernels.packing import (BLOCK, int4_rows, int6_rows, pack_int4, pack_int6, pack_int8,  # noqa: F401
+                                      select_block_rows, unpack_int4, unpack_int6, unpack_int8)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "attention.c", HERE / "decoder.c"]
+SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "gemm6.c", HERE / "attention.c", HERE / "decoder.c"]
 HEADER = HERE / "kernels.h"
-ABI = 14
+ABI = 15
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _status = "not loaded"
 
@@ -121,12 +121,14 @@ class NativeKernels:
         self.lib, self.variant, self.build = lib, variant, build      # build: hash of sources, compiler, flags
         lib.verispec_int8_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
         lib.verispec_int4_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
+        lib.verispec_int6_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
         lib.verispec_attend_rows.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_void_p] * 2
                                              + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int])
         lib.verispec_decoder.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
                                          + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4
                                          + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 4 + [ctypes.c_int])
-        for fn in (lib.verispec_int8_gemm, lib.verispec_int4_gemm, lib.verispec_attend_rows, lib.verispec_decoder):
+        for fn in (lib.verispec_int8_gemm, lib.verispec_int4_gemm, lib.verispec_int6_gemm, lib.verispec_attend_rows,
+                   lib.verispec_decoder):
             fn.restype = ctypes.c_int
 
     def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -135,6 +137,10 @@ class NativeKernels:
     def int4_gemm(self, x: torch.Tensor, packed: torch.Tensor, groups: torch.Tensor,
                   supers: torch.Tensor) -> torch.Tensor:
         return _int4_gemm(self.lib, x, packed, groups, supers)
+
+    def int6_gemm(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                  supers: torch.Tensor) -> torch.Tensor:
+        return _int6_gemm(self.lib, x, packed, scales, supers)
 
     def attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                     scale: float) -> torch.Tensor | None:
@@ -218,6 +224,12 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, groups: torch.Tensor, super
     return _load().int4_gemm(x, packed, groups, supers)
 
 
+def int6_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 contiguous, K a multiple of 32; packed, scales and supers from pack_int6 -> (M, N16)
+    float32 (the caller drops the padding columns). See gemm6.c."""
+    return _load().int6_gemm(x, packed, scales, supers)
+
+
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                 scale: float) -> torch.Tensor | None:
     """Each query row attends over exactly its own prefix (see gemm.c), or None when the tensors do not
@@ -259,6 +271,21 @@ def _int4_gemm(lib, x: torch.Tensor, packed: torch.Tensor, groups: torch.Tensor,
     if lib.verispec_int4_gemm(x.data_ptr(), packed.data_ptr(), groups.data_ptr(), supers.data_ptr(), y.data_ptr(),
                               m, blocks * BLOCK, k, torch.get_num_threads()):
         raise MemoryError("int4_gemm: no memory for the rounded activations")
+    return y
+
+
+def _int6_gemm(lib, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
+    m, k = x.shape
+    blocks = packed.shape[0]
+    if (k % 32 or packed.shape != (blocks, k // 32, 6, BLOCK) or packed.dtype != torch.int32
+            or scales.shape != (blocks, k // 32, 2, BLOCK) or scales.dtype != torch.int8
+            or supers.shape != (blocks, -(-k // 256), BLOCK) or supers.dtype != torch.float16
+            or not (packed.is_contiguous() and scales.is_contiguous() and supers.is_contiguous())):
+        raise ValueError(f"int6_gemm: packed weight {tuple(packed.shape)} does not fit K={k}")
+    y = torch.empty(m, blocks * BLOCK, dtype=torch.float32)
+    if lib.verispec_int6_gemm(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), supers.data_ptr(), y.data_ptr(),
+                              m, blocks * BLOCK, k, torch.get_num_threads()):
+        raise MemoryError("int6_gemm: no memory for the rounded activations")
     return y
 
 

@@ -9,7 +9,8 @@ import torch
 
 class LinearWeights(ctypes.Structure):
     """One linear for decoder.c: format 0 = int8 (w, scale), 1 = int4 (w, scale = the groups' multipliers,
-    super = the super-blocks' factors); pointers."""
+    super = the super-blocks' factors), 2 = int6 (w, scale = the half-groups' int8 scales, super = the
+    super-blocks' factors); pointers."""
     _fields_ = [("format", ctypes.c_int64), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("super", ctypes.c_void_p)]
 

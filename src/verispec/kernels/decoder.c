@@ -22,7 +22,8 @@
 #include "kernels.h"
 
 /* One linear layer: format 0 = int8 (w: gemm.c's packed int8, scale: (N) float32, super unused), 1 = int4
-   (w, scale, super: gemm4.c's packed nibbles, the groups' 8-bit multipliers, the super-blocks' fp16 factors). */
+   (w, scale, super: gemm4.c's packed nibbles, the groups' 8-bit multipliers, the super-blocks' fp16 factors),
+   2 = int6 (w, scale, super: gemm6.c's packed words, the half-groups' int8 scales, the fp16 factors). */
 typedef struct {
     int64_t format;
     const void *w, *scale, *super;
@@ -38,10 +39,17 @@ typedef struct {
 } layer_weights;
 
 /* y (R, N) = x (R, K) through one linear, its rows rounded as the linear's format wants (int8: 16-bit
-   per row; int4: 8-bit per group of 32). Scratch: qx (R · kpad(K) int16), sx (R + 2 R · K/32 floats). */
+   per row; int4 and int6: 8-bit per group of 32). Scratch: qx (R · kpad(K) int16), sx (R + 2 R · K/32
+   floats + R · K/16 int32). */
 static void linear_ws(const linear_weights *lw, const float *x, int16_t *qx, float *sx, float *y,
                       long R, long N, long K) {
-    if (lw->format == 1) {
+    if (lw->format == 2) {
+        float *xs = sx + R * (K / 32);
+        int32_t *qs = (int32_t *)(xs + R * (K / 32));
+        vs_quantize_groups8_ws(x, R, K, (int8_t *)qx, sx, xs);
+        vs_q8_sums16_ws((const int8_t *)qx, R, K, qs);
+        vs_int6_gemm_ws((const int8_t *)qx, sx, qs, lw->w, lw->scale, lw->super, y, R, N, K);
+    } else if (lw->format == 1) {
         float *xs = sx + R * (K / 32);
         vs_quantize_groups8_ws(x, R, K, (int8_t *)qx, sx, xs);
         vs_int4_gemm_ws((const int8_t *)qx, sx, xs, lw->w, lw->scale, lw->super, y, R, N, K);
@@ -154,11 +162,12 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
     long maxp = 0;
     for (long r = 0; r < R; r++) maxp = pos[r] > maxp ? pos[r] : maxp;
     long SP = spad(maxp + 1);
-    size_t floats = (size_t)R * (2 * C + QW + H * D + 3 * I) + (size_t)R * (2 * (KMAX / 32) + 1) + (size_t)att_scratch(T, SP) * threads;
+    size_t floats = (size_t)R * (2 * C + QW + H * D + 3 * I) + (size_t)R * (2 * (KMAX / 32) + KMAX / 16 + 1)
+                    + (size_t)att_scratch(T, SP) * threads;
     float *arena = malloc(sizeof(float) * floats + sizeof(int16_t) * R * KMAX + 64);
     if (!arena) return -1;
     float *xn = arena, *tmp = xn + R * C, *qkv = tmp + R * C, *att = qkv + R * QW, *gu = att + R * H * D;
-    float *act = gu + R * 2 * I, *sx = act + R * I, *scratch = sx + R * (2 * (KMAX / 32) + 1);
+    float *act = gu + R * 2 * I, *sx = act + R * I, *scratch = sx + R * (2 * (KMAX / 32) + KMAX / 16 + 1);
     int16_t *qx = (int16_t *)(scratch + (size_t)att_scratch(T, SP) * threads);
 #pragma omp parallel num_threads(threads)
     for (long l = 0; l < dm->layers; l++) {

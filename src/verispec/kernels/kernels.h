@@ -13,7 +13,7 @@
 #include <omp.h>
 #endif
 
-#define ABI 14
+#define ABI 15
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -54,6 +54,13 @@ void vs_int8_gemm_ws(const int16_t *qx, const float *sx, const int8_t *wp, const
 void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s8, float *xs);
 void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint8_t *gs,
                      const uint16_t *ss, float *y, long M, long N, long K);
+
+/* int6 matmul (gemm6.c): activations rounded as for int4, plus each half-group's integer sum (qs: M ×
+   K/16 int32), then y (M, N) from the packed 6-bit words wp, the half-groups' int8 scales sc and the
+   super-blocks' fp16 factors ds. */
+void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs);
+void vs_int6_gemm_ws(const int8_t *q8, const float *s8, const int32_t *qs, const uint32_t *wp, const int8_t *sc,
+                     const uint16_t *ds, float *y, long M, long N, long K);
 
 /* Where a layer's keys and values live: position s of batch row b, KV head h, dimension d is at
    store[tables[b · nb + s / bs] · blk_stride + h · head_stride + (s % bs) · D + d]. A static cache is

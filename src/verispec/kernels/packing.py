@@ -1,5 +1,5 @@
-"""The packed weight layouts the native matmuls read (gemm.c: int8; gemm4.c: int4), written from and
-read back to plain (N, K) tensors."""
+"""The packed weight layouts the native matmuls read (gemm.c: int8; gemm4.c: int4; gemm6.c: int6),
+written from and read back to plain (N, K) tensors."""
 
 from __future__ import annotations
 
@@ -26,6 +26,24 @@ def unpack_int8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return full[:n, :k].contiguous()
 
 
+def _nibble_words(q: torch.Tensor) -> torch.Tensor:
+    """(N16, K) integers -> (blocks, K/32, 4, 16) int32: bit 4i + 16t of word (b, g, j, c) holds the low
+    nibble of q[16b + c, 32g + 8j + 2i + t]."""
+    n16, k = q.shape
+    qp = (q.to(torch.int32) & 0xF).view(n16 // BLOCK, BLOCK, k // 32, 4, 4, 2)     # (b, c, g, j, i, t)
+    shifts = (4 * torch.arange(4)[:, None] + 16 * torch.arange(2)[None, :]).to(torch.int32)   # (i, t)
+    words = (qp << shifts).sum(dim=(-2, -1), dtype=torch.int64)              # (b, c, g, j), < 2^32
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.permute(0, 2, 3, 1).contiguous()                            # (b, g, j, c)
+
+
+def _padded(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(N, ...) -> (N rounded up to 16, ...) of dtype, zero past N."""
+    out = torch.zeros(-(-v.shape[0] // BLOCK) * BLOCK, *v.shape[1:], dtype=dtype)
+    out[: v.shape[0]] = v.to(dtype)
+    return out
+
+
 def pack_int4(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
               dmin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Q4_K-style weight w[n, k] = d[n, k // 256] · sc[n, k // 32] · q[n, k] − dmin[n, k // 256] ·
@@ -34,14 +52,8 @@ def pack_int4(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tenso
     (bit 4i + 16t of word (b, g, j, c) holds q[16b + c, 32g + 8j + 2i + t]), groups (ceil(N/16), K/32, 2,
     16) uint8 (sc, m) and supers (ceil(N/16), ceil(K/256), 2, 16) float16 (d, dmin); zero past N."""
     n, k = q.shape
-    blocks, groups = -(-n // BLOCK), k // 32
-    qp = torch.zeros(blocks * BLOCK, k, dtype=torch.int32)
-    qp[:n] = q.to(torch.int32)
-    qp = qp.view(blocks, BLOCK, groups, 4, 4, 2)                              # (b, c, g, j, i, t)
-    shifts = (4 * torch.arange(4)[:, None] + 16 * torch.arange(2)[None, :]).to(torch.int32)   # (i, t)
-    words = (qp << shifts).sum(dim=(-2, -1), dtype=torch.int64)              # (b, c, g, j), < 2^32
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    packed = words.permute(0, 2, 3, 1).contiguous()                          # (b, g, j, c)
+    blocks = -(-n // BLOCK)
+    packed = _nibble_words(_padded(q, torch.int32))
 
     def per_block(parts: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         cols = parts[0].shape[1]                                             # (N, cols) twice -> (blocks, cols, 2, 16)
@@ -78,15 +90,68 @@ def _int4_dequantized(words: torch.Tensor, groups: torch.Tensor, supers: torch.T
     return (q * scale - low).reshape(n, ngroups * 32)
 
 
-def select_int4_rows(packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor,
-                     rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pack_int4's three tensors for the output rows `rows` (N' indices) only: every word, multiplier
-    and factor belongs to one column of its block, so this moves them without unpacking a nibble."""
+def pack_int6(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q6_K weight w[n, k] = (d[n, k // 256] · sc[n, k // 16]) · (q[n, k] − 32) -> gemm6.c's layout. q (N, K)
+    integers 0 … 63 with K a multiple of 32; sc (N, K/16) int8; d (N, ceil(K/256)) fp16 values. Returns
+    packed (ceil(N/16), K/32, 6, 16) int32 (words 0–3 the low nibbles as pack_int4's words, 4–5 the high
+    bit pairs, see gemm6.c), scales (ceil(N/16), K/32, 2, 16) int8 and supers (ceil(N/16), ceil(K/256), 16)
+    float16; zero past N."""
+    n, k = q.shape
+    blocks, groups = -(-n // BLOCK), k // 32
+    qp = _padded(q, torch.int64)                                              # (N16, K)
+    nibbles = _nibble_words(qp)                                               # (b, g, 4, c)
+    high = (qp >> 4).view(blocks, BLOCK, groups, 2, 2, 8)                     # (b, c, g, pair, chunk, offset)
+    lane_a, lane_b = torch.tensor([0, 4, 1, 5]), torch.tensor([2, 6, 3, 7])   # byte t's weights in the nibble words
+    byte = (high[..., lane_a] | (high[..., lane_b] << 2))                     # (b, c, g, pair, chunk, t): 4 bits
+    byte = byte[..., 0, :] | (byte[..., 1, :] << 4)                           # (b, c, g, pair, t): 8 bits
+    words = (byte << (8 * torch.arange(4))).sum(-1)                          # (b, c, g, pair) < 2^32
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).permute(0, 2, 3, 1)   # (b, g, pair, c)
+    packed = torch.cat([nibbles, words], dim=2).contiguous()                 # (b, g, 6, c)
+    scales = _padded(sc, torch.int8).view(blocks, BLOCK, groups, 2).permute(0, 2, 3, 1).contiguous()
+    supers = _padded(d, torch.float16).view(blocks, BLOCK, -1).permute(0, 2, 1).contiguous()
+    return packed, scales, supers
+
+
+def unpack_int6(packed: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor, n: int) -> torch.Tensor:
+    """The weight pack_int6's arguments describe, (N, K) float32: (d · sc) · (q − 32) in fp32."""
+    per_row = lambda t: t.permute(0, t.dim() - 1, *range(1, t.dim() - 1)).reshape(-1, *t.shape[1:-1])
+    return _int6_dequantized(per_row(packed), per_row(scales), per_row(supers))[:n]
+
+
+def int6_rows(packed: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of the weight pack_int6's arguments describe, (*R, K) float32 (unpack_int6's values)."""
+    flat = rows.reshape(-1)
+    pick = lambda t: t[flat // BLOCK, ..., flat % BLOCK]
+    return _int6_dequantized(pick(packed), pick(scales), pick(supers)).reshape(*rows.shape, -1)
+
+
+def _int6_dequantized(words: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
+    """Per-row fields -> (n, K) float32: words (n, G, 6) int32, scales (n, G, 2) int8, supers (n, S) fp16."""
+    n, groups = words.shape[:2]
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    shifts = 4 * torch.arange(4)[:, None] + 16 * torch.arange(2)[None, :]   # (i, t)
+    low = (w[:, :, :4, None, None] >> shifts) & 0xF                          # (n, G, j, i, t): k = 8j + 2i + t
+    lane = torch.tensor([0, 2, 0, 2, 1, 3, 1, 3])       # offset o of a chunk -> the byte t holding its high bits
+    part = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1])       # ... in its first (A lanes) or second (B lanes) pair
+    chunk = torch.arange(4)                                                   # j: pair j // 2, its position j % 2
+    shift = (8 * lane[None, :] + 2 * part[None, :] + 4 * (chunk[:, None] % 2))   # (j, offset)
+    high = (w[:, :, 4 + chunk // 2][..., None] >> shift) & 0x3               # (n, G, j, offset)
+    q = low.reshape(n, groups, 4, 8) | (high << 4)                           # (n, G, j, offset)
+    q = q.reshape(n, groups * 32).float()
+    scale = supers.float().repeat_interleave(16, dim=1)[:, : groups * 2] * scales.reshape(n, -1).float()   # (n, K/16)
+    return (scale[..., None] * (q.view(n, -1, 16) - 32)).reshape(n, groups * 32)
+
+
+def select_block_rows(tensors: tuple[torch.Tensor, ...], rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A packed layout's tensors (each (blocks, …, 16): pack_int4's, pack_int6's) for the output rows
+    `rows` (N' indices) only: every word, multiplier and factor belongs to one column of its block, so
+    this moves them without unpacking anything."""
     blocks = -(-len(rows) // BLOCK)
 
-    def pick(t: torch.Tensor) -> torch.Tensor:                               # (b, a, j, 16) -> (b', a, j, 16)
-        out = torch.zeros(blocks * BLOCK, *t.shape[1:3], dtype=t.dtype)
-        out[: len(rows)] = t[rows // BLOCK, :, :, rows % BLOCK]
-        return out.view(blocks, BLOCK, *t.shape[1:3]).permute(0, 2, 3, 1).contiguous()
+    def pick(t: torch.Tensor) -> torch.Tensor:                               # (b, …, 16) -> (b', …, 16)
+        out = torch.zeros(blocks * BLOCK, *t.shape[1:-1], dtype=t.dtype)
+        out[: len(rows)] = t[rows // BLOCK, ..., rows % BLOCK]
+        inner = tuple(range(2, t.dim()))
+        return out.view(blocks, BLOCK, *t.shape[1:-1]).permute(0, *inner, 1).contiguous()
 
-    return pick(packed), pick(groups), pick(supers)
+    return tuple(pick(t) for t in tensors)

@@ -1,7 +1,7 @@
 """A whole decoder pass in one native call (kernels/decoder.c) for int8 models on the CPU.
 
 `NativeDecoder.build(model)` says whether a model qualifies — float32 compute, every projection an
-`Int8Linear` or `Int4Linear` in the kernels' packed layouts (o, gate/up and down without bias), the
+`Int8Linear`, `Int4Linear` or `Int6Linear` in the kernels' packed layouts (o, gate/up and down without bias), the
 native kernels available — and holds one `LayerWeights` record of tensor pointers per layer. Calling it runs every
 decoder layer over a pass of new tokens, reading and writing the engine's cache (static or paged) in
 place through `CacheView.layout()`. The torch layers in `transformer.py` stay the reference and the
@@ -17,7 +17,7 @@ import torch
 
 from verispec import kernels
 from verispec.models.kv_cache import CacheView
-from verispec.models.quant import Int4Linear, Int8Linear
+from verispec.models.quant import Int4Linear, Int6Linear, Int8Linear
 
 MAX_HEAD_DIM = 512            # decoder.c's per-head scratch
 
@@ -39,6 +39,9 @@ class NativeDecoder:
                 if isinstance(linear, Int4Linear):
                     target.format, target.w = 1, self._pointer(linear.packed)
                     target.scale, target.super = self._pointer(linear.groups), self._pointer(linear.supers)
+                elif isinstance(linear, Int6Linear):
+                    target.format, target.w = 2, self._pointer(linear.packed)
+                    target.scale, target.super = self._pointer(linear.scales), self._pointer(linear.supers)
                 else:
                     target.format, target.w = 0, self._pointer(linear.weight)
                     target.scale, target.super = self._pointer(linear.scales), None
@@ -70,7 +73,7 @@ class NativeDecoder:
         for block in model.model.layers:
             attn, mlp = block.self_attn, block.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(m, (Int8Linear, Int4Linear)) for m in linears):
+            if not all(isinstance(m, (Int8Linear, Int4Linear, Int6Linear)) for m in linears):
                 return None
             if any(m.bias is not None for m in linears[1:]):
                 return None

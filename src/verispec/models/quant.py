@@ -9,8 +9,9 @@ model's dtype.
 
 int4 (`--dtype int4`): the GGUF's Q4_K tensors as the file stores them (loaders/gguf_blocks.py):
 w = d · sc · q − dmin · m with q in 0 … 15 per weight, 8-bit sc and m per group of 32, fp16 d and dmin
-per super-block of 256 — 4.625 bits per weight, the file's weights exactly. Every other weight (Q6_K,
-fp16, …) stays int8. The matmul is kernels/gemm4.c: activations rounded to 8 bits per row and group of
+per super-block of 256 — 4.625 bits per weight, the file's weights exactly. Its Q6_K tensors likewise
+(`Int6Linear`, kernels/gemm6.c): w = d · sc · (q − 32), q in 0 … 63, an int8 sc per 16 weights, 6.5625
+bits per weight. Every other weight (fp16, Q8_0, …) stays int8. The matmul is kernels/gemm4.c: activations rounded to 8 bits per row and group of
 32 (as llama.cpp rounds them for its 4-bit formats), integer sums per group, 64 multiply-adds per
 vector instruction; without the native kernel the layer dequantizes once and runs in float32.
 `Int4Linear.from_linear` quantizes any weight into the same format (round to nearest per group).
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from verispec import kernels
-from verispec.loaders.gguf_blocks import GROUP, SUPER, Q4Fields
+from verispec.loaders.gguf_blocks import GROUP, SUPER, Q4Fields, Q6Fields
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "int4-all")
 
@@ -107,6 +108,24 @@ def round_to_q4(weight: torch.Tensor) -> Q4Fields:
     return Q4Fields(q.clamp(0, 15).to(torch.uint8).reshape(n, k), sc, m, d, dmin)
 
 
+def round_to_q6(weight: torch.Tensor) -> Q6Fields:
+    """(N, K) float, K a multiple of 16 -> the nearest Q6_K-style fields: per group of 16 a symmetric
+    step max|w| / 31 as an int8 multiple of an fp16 factor per super-block of 256, then each weight to
+    its nearest level in −32 … 31."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // 16, 16)
+    step = w.abs().amax(-1) / 31                                              # (N, K/16)
+    supers = -(-k // SUPER)
+    padded = torch.cat([step, step.new_zeros(n, supers * 16 - k // 16)], 1).view(n, supers, 16)
+    d = (padded.amax(-1) / 127).to(torch.float16).float()                    # (N, S)
+    dg = d.repeat_interleave(16, dim=1)[:, : k // 16]
+    sc = torch.where(dg > 0, torch.round(step / dg.clamp_min(1e-30)), torch.zeros_like(step)).clamp(-128, 127)
+    scale = (dg * sc)[..., None]                                              # (N, K/16, 1)
+    q = torch.where(scale != 0, torch.round(w / torch.where(scale != 0, scale, torch.ones_like(scale))),
+                    torch.zeros_like(w)).clamp(-32, 31) + 32
+    return Q6Fields(q.to(torch.uint8).reshape(n, k), sc.to(torch.int8), d)
+
+
 class Int4Linear(nn.Module):
     """int4 weights in gemm4.c's layout (kernels.pack_int4): packed (ceil(N/16), K/32, 4, 16) int32
     nibbles, groups (ceil(N/16), K/32, 2, 16) uint8 (sc, m), supers (ceil(N/16), ceil(K/256), 2, 16)
@@ -163,8 +182,60 @@ class Int4Linear(nn.Module):
 
     def select_rows(self, rows: torch.Tensor) -> "Int4Linear":
         """A linear with only the given output rows: the same nibbles, multipliers and factors."""
-        return Int4Linear(self.in_features, len(rows), *kernels.select_int4_rows(self.packed, self.groups,
-                                                                                 self.supers, rows),
+        return Int4Linear(self.in_features, len(rows), *kernels.select_block_rows((self.packed, self.groups,
+                                                                                  self.supers), rows),
+                          None if self.bias is None else self.bias[rows].clone())
+
+
+class Int6Linear(nn.Module):
+    """int6 weights as Q6_K stores them, in gemm6.c's layout (kernels.pack_int6): packed (ceil(N/16), K/32,
+    6, 16) int32 words, scales (ceil(N/16), K/32, 2, 16) int8, supers (ceil(N/16), ceil(K/256), 16) float16."""
+
+    def __init__(self, in_features: int, out_features: int, packed: torch.Tensor, scales: torch.Tensor,
+                 supers: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("supers", supers)
+        self.register_buffer("bias", bias)
+        self._dense: torch.Tensor | None = None
+
+    @classmethod
+    def from_fields(cls, fields: Q6Fields, bias: torch.Tensor | None = None) -> "Int6Linear":
+        n, k = fields.shape
+        return cls(k, n, *kernels.pack_int6(fields.q, fields.sc, fields.d), None if bias is None else bias.detach().float())
+
+    @classmethod
+    def empty(cls, linear: nn.Linear) -> "Int6Linear":
+        """A shell with the right buffer shapes (for loading cached weights)."""
+        n, k = linear.out_features, linear.in_features
+        blocks = -(-n // kernels.BLOCK)
+        bias = None if linear.bias is None else torch.empty(n)
+        return cls(k, n, torch.empty(blocks, k // GROUP, 6, kernels.BLOCK, dtype=torch.int32),
+                   torch.empty(blocks, k // GROUP, 2, kernels.BLOCK, dtype=torch.int8),
+                   torch.empty(blocks, -(-k // SUPER), kernels.BLOCK, dtype=torch.float16), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape                                                     # (..., K)
+        x2 = x.reshape(-1, shape[-1]).float().contiguous()                 # (M, K)
+        if x2.device.type == "cpu" and kernels.available():
+            y = kernels.int6_gemm(x2, self.packed, self.scales, self.supers)[:, : self.out_features]   # (M, N)
+        else:
+            if self._dense is None:
+                self._dense = self.dequantized()
+            y = x2 @ self._dense.T
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        return kernels.unpack_int6(self.packed, self.scales, self.supers, self.out_features)
+
+    def select_rows(self, rows: torch.Tensor) -> "Int6Linear":
+        """A linear with only the given output rows: the same words, scales and factors."""
+        return Int6Linear(self.in_features, len(rows), *kernels.select_block_rows((self.packed, self.scales,
+                                                                                  self.supers), rows),
                           None if self.bias is None else self.bias[rows].clone())
 
 
@@ -200,16 +271,15 @@ class Int4Embedding(nn.Module):
         return kernels.unpack_int4(self.packed, self.groups, self.supers, self.num_embeddings)
 
 
-def _file_fields(fields: dict[str, Q4Fields], name: str, weight: torch.Tensor) -> Q4Fields | None:
-    """The file's 4-bit fields for a weight, checked against the weight the model holds (the first rows
-    dequantize to it exactly), or None when the file has none for it."""
+def _file_fields(fields: dict | None, name: str, weight: torch.Tensor, kinds=(Q4Fields,)) -> Q4Fields | Q6Fields | None:
+    """The file's block fields (of one of `kinds`) for a weight, checked against the weight the model
+    holds (the first rows dequantize to it exactly), or None when the file has none of those for it."""
     found = fields.get(name) if fields is not None else None
-    if found is None:
+    if not isinstance(found, kinds):
         return None
-    if found.shape != tuple(weight.shape) or not torch.equal(
-            Q4Fields(*(getattr(found, f)[:16] for f in ("q", "sc", "m", "d", "dmin"))).dequantized(),
-            weight.detach()[:16].float()):
-        raise ValueError(f"{name}: the file's 4-bit weight {found.shape} is not the model's "
+    first = type(found)(*(getattr(found, f)[:16] for f in found.__dataclass_fields__))
+    if found.shape != tuple(weight.shape) or not torch.equal(first.dequantized(), weight.detach()[:16].float()):
+        raise ValueError(f"{name}: the file's block-quantized weight {found.shape} is not the model's "
                          f"{tuple(weight.shape)} weight")
     return found
 
@@ -218,9 +288,10 @@ def quantize_linears(model: nn.Module, fmt: str, state: dict | None = None, pref
                      fields: dict[str, Q4Fields] | None = None) -> nn.Module:
     """Swap every nn.Linear (the LM head included) for its quantized form, in place.
 
-    int4 puts a linear in int4 where `fields` (the file's Q4_K tensors, `gguf_blocks.q4k_fields`) holds
-    its weight, and in int8 elsewhere; int4-all rounds those others into int4 too (where the input size
-    is a multiple of 32; see the module docstring). Both keep the token embeddings in int4 the same way
+    int4 puts a linear in int4 where `fields` (the file's Q4_K and Q6_K tensors, `gguf_blocks.block_fields`)
+    holds it as Q4_K, in int6 where it holds it as Q6_K, and in int8 elsewhere; int4-all puts every linear
+    in int4, rounding those the file does not hold as Q4_K (where the input size is a multiple of 32; see
+    the module docstring). Both keep the token embeddings in int4 the same way
     (`Int4Embedding`; int4 only where the file's are Q4_K, else they stay float). With `state` (a saved
     quantized state dict) the layers are built as empty shells in the saved layout instead."""
     if fmt not in ("int8", "int4", "int4-all"):
@@ -229,11 +300,12 @@ def quantize_linears(model: nn.Module, fmt: str, state: dict | None = None, pref
     for name, child in list(model.named_children()):
         full = f"{prefix}{name}"
         if isinstance(child, nn.Linear):
-            layer = None
+            layer, kinds = None, (Q4Fields, Q6Fields) if fmt == "int4" else (Q4Fields,)
             if four and state is not None:
-                layer = Int4Linear.empty(child) if f"{full}.packed" in state else None
-            elif four and (found := _file_fields(fields, f"{full}.weight", child.weight)) is not None:
-                layer = Int4Linear.from_fields(found, child.bias)
+                saved = state.get(f"{full}.packed")
+                layer = None if saved is None else (Int6Linear if saved.shape[2] == 6 else Int4Linear).empty(child)
+            elif four and (found := _file_fields(fields, f"{full}.weight", child.weight, kinds)) is not None:
+                layer = (Int6Linear if isinstance(found, Q6Fields) else Int4Linear).from_fields(found, child.bias)
             elif fmt == "int4-all" and child.in_features % GROUP == 0:
                 layer = Int4Linear.from_linear(child)
             setattr(model, name, layer if layer is not None else Int8Linear(child))

@@ -1,0 +1,182 @@
+/* The int6 matmul: weights as Q6_K GGUF tensors store them, w[n, k] = d[n, s] · sc[n, h] · (q[n, k] − 32),
+ * with q in 0 … 63, h = k / 16 the half-group, s = k / 256 the super-block; sc an int8 per half-group,
+ * d fp16 per super-block. Activations are rounded as for int4 (gemm4.c): q8[m, k] · s8[m, g] per row and
+ * group g of 32. With the exact integers I[m, n, h] = Σ_{k in h} q[n, k] · q8[m, k] and
+ * Q[m, h] = Σ_{k in h} q8[m, k] (vs_q8_sums16_ws),
+ *   J[m, n, g] = sc[n, 2g] · (I[m, n, 2g] − 32 Q[m, 2g]) + sc[n, 2g+1] · (I[m, n, 2g+1] − 32 Q[m, 2g+1])
+ *   y[m, n]    = Σ_g float(J[m, n, g]) · (d[n, g / 8] · s8[m, g])
+ * in ascending g: J is an exact integer (|J| < 2³¹), rounded once to fp32, then one product and one FMA
+ * per group — the same operations in every variant and for every row count (row-exact; the AVX2 and
+ * AVX-512 variants give the same bits). q · q8 pairs are u8 × s8: vpdpbusd on AVX-512 VNNI, vpmaddubsw +
+ * vpmaddwd on AVX2 (a pair sum stays below 2 · 63 · 127 < 2¹⁵, so nothing saturates).
+ *
+ * Layout (kernels.pack_int6), 16 output columns per block, zero past N:
+ *   wp (ceil(N/16), K/32, 6, 16) uint32: words 0 … 3 of group g hold the low nibbles of chunk j (k = 32g
+ *     + 8j … + 7) exactly as gemm4.c's words hold q; words 4 and 5 hold the high bit pairs of chunks
+ *     (0, 1) and (2, 3): byte t of the word has, for the pair's first chunk, the high bits of byte lane
+ *     t of (nibbles & 0x0F0F0F0F) in bits 0-1 and of ((nibbles >> 4) & 0x0F0F0F0F) in bits 2-3, and for
+ *     its second chunk the same in bits 4-5 and 6-7 — so shifting by 4, 2, 0 or −2 and masking with
+ *     0x30303030 puts a chunk's high bits beside its nibbles.
+ *   sc (ceil(N/16), K/32, 2, 16) int8: the two half-groups' scales of each column.
+ *   d (ceil(N/16), ceil(K/256), 16) fp16.
+ * 6.5625 bits per weight, as Q6_K.
+ */
+#include "kernels.h"
+
+#define MG6 6           /* activation rows per group */
+/* Software prefetch into L2, PF6 groups (384 bytes of a block's weights each, 36 KB) ahead, as gemm4.c. */
+#ifndef PF6
+#define PF6 96
+#endif
+#define W6 96           /* uint32 words per block and group: 6 × 16 */
+
+/* q8 (M, K) int8 -> qs (M, K/16) int32: each half-group's sum (Q8_ORDER permutes within each 8 only). */
+void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
+#pragma omp for schedule(static)
+    for (long m = 0; m < M; m++)
+        for (long h = 0; h < K / 16; h++) {
+            int32_t s = 0;
+            for (int t = 0; t < 16; t++) s += q8[m * K + 16 * h + t];
+            qs[m * (K / 16) + h] = s;
+        }
+}
+
+static inline int32_t word32_6(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KERNEL6(MM)                                                                                \
+    static void q6_##MM(const int8_t *q8, long K, const float *s8, const int32_t *qs, const uint32_t *wp, \
+                        const int8_t *sc, const uint16_t *ds, float *y, long N, long G, long b) {   \
+        const __m512i lo4 = _mm512_set1_epi32(0x0F0F0F0F), hi2 = _mm512_set1_epi32(0x30303030);  \
+        const long S = (G + 7) / 8, H = 2 * G;                                                    \
+        __m512 acc[MM];                                                                           \
+        for (int m = 0; m < MM; m++) acc[m] = _mm512_setzero_ps();                                \
+        for (long g = 0; g < G; g++) {                                                            \
+            const uint32_t *wg = wp + (b * G + g) * W6;                                          \
+            for (int l = 0; l < 6; l++) _mm_prefetch((const char *)(wg + PF6 * W6 + 16 * l), _MM_HINT_T1); \
+            __m512i isum[2][MM];                                                                  \
+            for (int m = 0; m < MM; m++) isum[0][m] = isum[1][m] = _mm512_setzero_si512();        \
+            for (int j = 0; j < 4; j++) {                                                         \
+                __m512i d = _mm512_loadu_si512((const void *)(wg + 16 * j));                      \
+                __m512i hw = _mm512_loadu_si512((const void *)(wg + 64 + 16 * (j / 2)));          \
+                __m512i ha = (j & 1) ? hw : _mm512_slli_epi32(hw, 4);                             \
+                __m512i hb = (j & 1) ? _mm512_srli_epi32(hw, 2) : _mm512_slli_epi32(hw, 2);       \
+                __m512i lo = _mm512_or_si512(_mm512_and_si512(d, lo4), _mm512_and_si512(ha, hi2)); \
+                __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(d, 4), lo4),      \
+                                             _mm512_and_si512(hb, hi2));                          \
+                for (int m = 0; m < MM; m++) {                                                    \
+                    const int8_t *xr = q8 + m * K + 32 * g + 8 * j;                               \
+                    isum[j / 2][m] = _mm512_dpbusd_epi32(isum[j / 2][m], lo, _mm512_set1_epi32(word32_6(xr))); \
+                    isum[j / 2][m] = _mm512_dpbusd_epi32(isum[j / 2][m], hi, _mm512_set1_epi32(word32_6(xr + 4))); \
+                }                                                                                 \
+            }                                                                                     \
+            const int8_t *sg = sc + (b * G + g) * 32;                                             \
+            __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sg));             \
+            __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sg + 16)));      \
+            __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ds + (b * S + g / 8) * 16))); \
+            for (int m = 0; m < MM; m++) {                                                        \
+                __m512i t0 = _mm512_sub_epi32(isum[0][m], _mm512_set1_epi32(32 * qs[m * H + 2 * g]));     \
+                __m512i t1 = _mm512_sub_epi32(isum[1][m], _mm512_set1_epi32(32 * qs[m * H + 2 * g + 1])); \
+                __m512i jv = _mm512_add_epi32(_mm512_mullo_epi32(sc0, t0), _mm512_mullo_epi32(sc1, t1)); \
+                __m512 t = _mm512_mul_ps(dv, _mm512_set1_ps(s8[m * G + g]));                      \
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(jv), t, acc[m]);                      \
+            }                                                                                     \
+        }                                                                                         \
+        long c = 16 * b, left = N - c;                                                            \
+        __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);             \
+        for (int m = 0; m < MM; m++) _mm512_mask_storeu_ps(y + m * N + c, k, acc[m]);            \
+    }
+#else
+/* One 16-column block for MM rows as two halves of 8 columns (ymm lanes). */
+#define KERNEL6(MM)                                                                                \
+    static void q6_##MM(const int8_t *q8, long K, const float *s8, const int32_t *qs, const uint32_t *wp, \
+                        const int8_t *sc, const uint16_t *ds, float *y, long N, long G, long b) {   \
+        const __m256i lo4 = _mm256_set1_epi32(0x0F0F0F0F), hi2 = _mm256_set1_epi32(0x30303030);  \
+        const __m256i ones = _mm256_set1_epi16(1);                                                \
+        const long S = (G + 7) / 8, H = 2 * G;                                                    \
+        for (int h = 0; h < 2; h++) {                                                             \
+            __m256 acc[MM];                                                                       \
+            for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();                            \
+            for (long g = 0; g < G; g++) {                                                        \
+                const uint32_t *wg = wp + (b * G + g) * W6 + 8 * h;                              \
+                for (int l = 0; l < 6 * (h == 0); l++)                     /* the second half re-reads */ \
+                    _mm_prefetch((const char *)(wg + PF6 * W6 + 16 * l), _MM_HINT_T1);           \
+                __m256i isum[2][MM];                                                              \
+                for (int m = 0; m < MM; m++) isum[0][m] = isum[1][m] = _mm256_setzero_si256();    \
+                for (int j = 0; j < 4; j++) {                                                     \
+                    __m256i d = _mm256_loadu_si256((const __m256i *)(wg + 16 * j));               \
+                    __m256i hw = _mm256_loadu_si256((const __m256i *)(wg + 64 + 16 * (j / 2)));   \
+                    __m256i ha = (j & 1) ? hw : _mm256_slli_epi32(hw, 4);                         \
+                    __m256i hb = (j & 1) ? _mm256_srli_epi32(hw, 2) : _mm256_slli_epi32(hw, 2);   \
+                    __m256i lo = _mm256_or_si256(_mm256_and_si256(d, lo4), _mm256_and_si256(ha, hi2)); \
+                    __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(d, 4), lo4),  \
+                                                 _mm256_and_si256(hb, hi2));                      \
+                    for (int m = 0; m < MM; m++) {                                                \
+                        const int8_t *xr = q8 + m * K + 32 * g + 8 * j;                           \
+                        __m256i p = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word32_6(xr)));    \
+                        isum[j / 2][m] = _mm256_add_epi32(isum[j / 2][m], _mm256_madd_epi16(p, ones)); \
+                        p = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word32_6(xr + 4)));        \
+                        isum[j / 2][m] = _mm256_add_epi32(isum[j / 2][m], _mm256_madd_epi16(p, ones)); \
+                    }                                                                             \
+                }                                                                                 \
+                const int8_t *sg = sc + (b * G + g) * 32 + 8 * h;                                 \
+                __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sg));         \
+                __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sg + 16)));  \
+                __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ds + (b * S + g / 8) * 16 + 8 * h))); \
+                for (int m = 0; m < MM; m++) {                                                    \
+                    __m256i t0 = _mm256_sub_epi32(isum[0][m], _mm256_set1_epi32(32 * qs[m * H + 2 * g]));     \
+                    __m256i t1 = _mm256_sub_epi32(isum[1][m], _mm256_set1_epi32(32 * qs[m * H + 2 * g + 1])); \
+                    __m256i jv = _mm256_add_epi32(_mm256_mullo_epi32(sc0, t0), _mm256_mullo_epi32(sc1, t1)); \
+                    __m256 t = _mm256_mul_ps(dv, _mm256_set1_ps(s8[m * G + g]));                  \
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(jv), t, acc[m]);                  \
+                }                                                                                 \
+            }                                                                                     \
+            long c = 16 * b + 8 * h, left = N - c;                                                \
+            if (left <= 0) break;                                                                 \
+            __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left < 8 ? (int)left : 8),        \
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));         \
+            for (int m = 0; m < MM; m++) _mm256_maskstore_ps(y + m * N + c, mask, acc[m]);       \
+        }                                                                                         \
+    }
+#endif
+
+KERNEL6(1) KERNEL6(2) KERNEL6(3) KERNEL6(4) KERNEL6(5) KERNEL6(6)
+typedef void (*q6_fn)(const int8_t *, long, const float *, const int32_t *, const uint32_t *, const int8_t *,
+                      const uint16_t *, float *, long, long, long);
+static const q6_fn Q6[MG6 + 1] = {0, q6_1, q6_2, q6_3, q6_4, q6_5, q6_6};
+
+void vs_int6_gemm_ws(const int8_t *q8, const float *s8, const int32_t *qs, const uint32_t *wp, const int8_t *sc,
+                     const uint16_t *ds, float *y, long M, long N, long K) {
+    long G = K / 32, blocks = (N + 15) / 16, groups = (M + MG6 - 1) / MG6;
+#pragma omp for schedule(static)
+    for (long b = 0; b < blocks; b++)
+        for (long gi = 0, m0 = 0; gi < groups; gi++) {          /* rows in near-equal groups */
+            long mm = (M - m0) / (groups - gi) + ((M - m0) % (groups - gi) != 0);
+            Q6[mm](q8 + m0 * K, K, s8 + m0 * G, qs + m0 * (K / 16), wp, sc, ds, y + m0 * N, N, G, b);
+            m0 += mm;
+        }
+}
+
+/* x (M, K) float32 with K a multiple of 32 -> y (M, N). Returns 0, -1 when K is not a multiple of 32,
+   -2 when the scratch cannot be allocated. */
+int verispec_int6_gemm(const float *x, const uint32_t *wp, const int8_t *sc, const uint16_t *ds, float *y,
+                       long M, long N, long K, int threads) {
+    if (K % 32) return -1;
+    float *s8 = malloc(sizeof(float) * 2 * M * (K / 32) + sizeof(int32_t) * M * (K / 16) + M * K + 64);
+    if (!s8) return -2;
+    float *xs = s8 + M * (K / 32);
+    int32_t *qs = (int32_t *)(xs + M * (K / 32));
+    int8_t *q8 = (int8_t *)(qs + M * (K / 16));
+#pragma omp parallel num_threads(threads)
+    {
+        vs_quantize_groups8_ws(x, M, K, q8, s8, xs);
+        vs_q8_sums16_ws(q8, M, K, qs);
+        vs_int6_gemm_ws(q8, s8, qs, wp, sc, ds, y, M, N, K);
+    }
+    free(s8);
+    return 0;
+}
