@@ -93,9 +93,10 @@ def suite_section(bench: dict | None) -> list[str]:
         return out + missing("speedup per mode and category", "bash docs/reproduce.sh")
     out += [f"Command: `{command_line(bench)}`  ", f"Environment: {env_line(bench)}. "
             f"Report with every column: [bench-suite.md](results/bench-suite.md).", "",
-            "`hybrid+head` in this run drafted with the Medusa heads that shipped at the time; the EAGLE-style "
-            "head that ships now was measured on the same suite in [bench-eagle.md](results/bench-eagle.md) "
-            "(figures and comparison in [HEADS.md](HEADS.md)).", "",
+            "`hybrid+head` drafts with the EAGLE-style head that ships with the package (its own runs: "
+            "[bench-eagle.md](results/bench-eagle.md), [HEADS.md](HEADS.md)); `draft` and `hybrid` with the "
+            "0.5B in its default format (int4-all) and vocabulary (32,768 tokens). This run predates the "
+            "int6 Q6_K linears (a target pass ~6 % faster since, [PERFORMANCE_LOG.md](PERFORMANCE_LOG.md)).", "",
             f"Speedup = median over the {repeats(bench)} repeat(s) of tokens/s ÷ plain tokens/s on the same prompts "
             "in the same repeat (modes interleaved prompt by prompt, prefill included); decode = the same ratio "
             "over the decode phase alone, as llama.cpp reports its eval speed (the tokens after the first round "
@@ -276,12 +277,13 @@ def formats_section(formats: dict | None) -> list[str]:
             "greedy, 64 tokens, prefill excluded, median of 5, the formats alternated. Quality: against fp32 on a fixed 150-token text. "
             f"Bandwidth floor: bytes of weights read per token ÷ ~{bandwidth / 1e9:.0f} GB/s (this machine kind's "
             "2-thread read bandwidth).", ""]
-    bytes_per_param = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.60}  # int4: Q4_K layers at 4.625 bits, the rest int8
+    bytes_per_param = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.60, "int4-all": 0.58}  # older files: no step_mb
     params = {"qwen2.5-coder-0.5b-instruct": 0.494e9 + 0.136e9, "qwen2.5-coder-1.5b-instruct": 1.54e9 + 0.233e9}
     body = []
     for name, entry in formats["models"].items():
         for fmt, m in entry.items():
-            floor_ms = params.get(name, 0) * bytes_per_param[fmt] / bandwidth * 1e3
+            step_bytes = m["step_mb"] * 1e6 if m.get("step_mb") else params.get(name, 0) * bytes_per_param[fmt]
+            floor_ms = step_bytes / bandwidth * 1e3
             step_ms = 1e3 / m["tok_s"] if m.get("tok_s") else None
             body.append([name, fmt, f(m.get("tok_s")), ", ".join(str(x) for x in m.get("tok_s_runs", [])),
                          f(floor_ms, "%.0f"), f(floor_ms / step_ms * 100 if step_ms else None, "%.0f %%"),
@@ -294,7 +296,8 @@ def formats_section(formats: dict | None) -> list[str]:
         out += ["", "Above 100 % of the floor: memory read faster in that run than the ~20 GB/s the floor assumes "
                 "(the machine's bandwidth moves with its neighbours; the kernels alone, below, are the closer gauge)."]
     rss = formats.get("pair_peak_rss_mb", {})
-    out += ["", "Peak RSS of a process running the pair (1.5B target + 0.5B draft, draft proposer, 32 tokens): "
+    out += ["", "Peak RSS of a process running the pair (1.5B target + 0.5B draft, draft proposer, 32 tokens; "
+            "`default`: int4 target, int4-all draft): "
             + ", ".join(f"{fmt} {mb / 1024:.2f} GiB" for fmt, mb in rss.items()) + ".", ""]
     for name, kv in formats.get("kv_cache", {}).items():
         out += [f"KV cache formats (`--kv-dtype`, `python docs/measure_formats.py --kv-only`), {name} with its "
@@ -316,8 +319,8 @@ def kernel_section(kernel: dict | None) -> list[str]:
         return out + ["_Measured with an earlier version of the script; rerun `python docs/measure_kernel.py`._", ""]
     out += [f"Command: `python docs/measure_kernel.py --out docs/results/kernel.json` ({kernel['threads']} threads, "
             f"{machine_line(kernel)}). Matmuls only: random weights at the 1.5B's shapes streamed from memory, "
-            "milliseconds for 28 layers (q/k/v, o, gate/up, down) + the int8 LM head, each instruction-set "
-            "variant and format timed alternately in one process.", ""]
+            "milliseconds for 28 layers (q/k/v, o, gate/up, down) + the LM head (int8, or int6 with the int6 "
+            "layers), each instruction-set variant and format timed alternately in one process.", ""]
     rows = kernel["rows"]
     combos = list(next(iter(rows.values())))
     base = rows[min(rows, key=int)]

@@ -8,8 +8,8 @@
   position of a fixed 150-token text (code and prose);
 - KV cache formats (default weights, `--kv-dtype`): quality against the float32 cache, decode
   speed after a ~2,000-token prompt (alternated), positions per GiB;
-- peak RSS: a fresh process loads the pair (1.5B target + 0.5B draft) in the format and generates
-  32 tokens with the draft proposer; its peak resident set size (VmHWM — not ru_maxrss, which
+- peak RSS: a fresh process loads the pair (1.5B target + 0.5B draft) in the format (`default`: the
+  target in int4, the draft in int4-all, as with no flags) and generates 32 tokens with the draft proposer; its peak resident set size (VmHWM — not ru_maxrss, which
   Linux carries over from the parent across fork + exec).
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-FORMATS = ["float32", "bfloat16", "int8", "int4"]
+FORMATS = ["float32", "bfloat16", "int8", "int4", "int4-all"]
 PROMPT = "Write a Python function that checks whether a number is prime."
 TEXT = '''def merge_intervals(intervals):
     """Merge overlapping intervals and return them sorted by start."""
@@ -66,7 +66,21 @@ def decode_speeds(name: str, rounds: int = 5) -> dict:
             out = llms[fmt].generate([prompt], SamplingParams(temperature=0, max_tokens=64))[0]
             rates[fmt].append(out.tokens_per_s)
     return {fmt: {"load_s": round(load[fmt], 2), "tok_s_runs": [round(x, 2) for x in rates[fmt]],
-                  "tok_s": round(statistics.median(rates[fmt]), 2)} for fmt in FORMATS}
+                  "tok_s": round(statistics.median(rates[fmt]), 2), "step_mb": step_mb(llms[fmt].target.model)}
+            for fmt in FORMATS}
+
+
+def step_mb(model) -> float:
+    """MB of weights a decode step reads: every linear's buffers (the LM head included; the token table
+    is read a row at a time)."""
+    from torch import nn
+
+    total = 0
+    for name, mod in model.named_modules():
+        if name.endswith("embed_tokens") or not (isinstance(mod, nn.Linear) or type(mod).__name__.endswith("Linear")):
+            continue
+        total += sum(t.numel() * t.element_size() for t in (*mod.parameters(recurse=False), *mod.buffers(recurse=False)))
+    return round(total / 1e6, 1)
 
 
 def all_logits(model, ids):
@@ -136,7 +150,8 @@ def kv_formats(name: str, rounds: int = 5) -> dict:
 def peak_rss_child(fmt: str) -> None:
     from verispec import LLM, SamplingParams
 
-    llm = LLM(TARGET, draft=DRAFT, proposer="draft", k=4, dtype=fmt)
+    formats = {} if fmt == "default" else {"dtype": fmt, "draft_dtype": fmt}      # default: int4 + int4-all draft
+    llm = LLM(TARGET, draft=DRAFT, proposer="draft", k=4, **formats)
     llm.generate([llm.chat_prompt([{"role": "user", "content": PROMPT}])], SamplingParams(temperature=0, max_tokens=32))
     hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
     print(json.dumps({"peak_rss_mb": round(int(hwm.split()[1]) / 1024, 1)}))
@@ -165,7 +180,7 @@ def main() -> None:
         return
     if args.rss_only:
         result = json.loads(Path(args.out).read_text())
-        result["pair_peak_rss_mb"] = {fmt: peak_rss(fmt) for fmt in FORMATS}
+        result["pair_peak_rss_mb"] = {fmt: peak_rss(fmt) for fmt in [*FORMATS, "default"]}
         print("peak RSS", result["pair_peak_rss_mb"], flush=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
         return
@@ -178,7 +193,7 @@ def main() -> None:
             entry[fmt] |= q
         result["models"][name] = entry
         print(name, json.dumps(entry), flush=True)
-    result["pair_peak_rss_mb"] = {fmt: peak_rss(fmt) for fmt in FORMATS}
+    result["pair_peak_rss_mb"] = {fmt: peak_rss(fmt) for fmt in [*FORMATS, "default"]}
     print("peak RSS", result["pair_peak_rss_mb"], flush=True)
     result["kv_cache"] = {TARGET: kv_formats(TARGET)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

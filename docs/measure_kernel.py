@@ -1,7 +1,7 @@
 """The matmul kernels alone at the 1.5B's shapes: milliseconds for a whole model's linears (28 layers'
 q/k/v, o, gate/up and down, plus the LM head) by row count M, for each instruction-set variant this
-CPU runs and each weight format (int8; int4 for the layers, int8 for the LM head), timed alternately
-in one process (the order rotates every round).
+CPU runs and each weight format (int8; int4 for the layers, int8 for the LM head; int6 for all, as
+Q6_K tensors are), timed alternately in one process (the order rotates every round).
 
     python docs/measure_kernel.py [--layers 8] [--repeats 9] [--out docs/results/kernel.json]
 
@@ -34,6 +34,8 @@ def layer_weights(fmt: str, layers: int, gen: torch.Generator) -> list:
             if fmt == "int8":
                 out.append(("int8", kernels.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)),
                             torch.rand(n, generator=gen), k))
+            elif fmt == "int6":
+                out.append(int6_weight(n, k, gen))
             else:
                 q = torch.randint(0, 16, (n, k), generator=gen)
                 mult = lambda: torch.randint(0, 64, (n, k // 32), generator=gen)
@@ -42,10 +44,18 @@ def layer_weights(fmt: str, layers: int, gen: torch.Generator) -> list:
     return out
 
 
+def int6_weight(n: int, k: int, gen: torch.Generator) -> tuple:
+    q = torch.randint(0, 64, (n, k), generator=gen)
+    sc = torch.randint(-128, 128, (n, k // 16), generator=gen).to(torch.int8)
+    return ("int6", *kernels.pack_int6(q, sc, (torch.rand(n, -(-k // 256), generator=gen) * 1e-3).half().float()), k)
+
+
 def run(native, weights, x) -> None:
     for w in weights:
         if w[0] == "int8":
             native.int8_gemm(x[w[3]], w[1], w[2])
+        elif w[0] == "int6":
+            native.int6_gemm(x[w[4]], w[1], w[2], w[3])
         else:
             native.int4_gemm(x[w[4]], w[1], w[2], w[3])
 
@@ -60,9 +70,10 @@ def main() -> None:
     if not kernels.available():
         raise SystemExit(f"the native kernel is not available here: {kernels.kernel_status()}")
     gen = torch.Generator().manual_seed(0)
-    weights = {fmt: layer_weights(fmt, args.layers, gen) for fmt in ("int8", "int4")}
-    head = ("int8", kernels.pack_int8(torch.randint(-127, 128, (VOCAB, HIDDEN), dtype=torch.int8, generator=gen)),
-            torch.rand(VOCAB), HIDDEN)
+    weights = {fmt: layer_weights(fmt, args.layers, gen) for fmt in ("int8", "int4", "int6")}
+    head8 = ("int8", kernels.pack_int8(torch.randint(-127, 128, (VOCAB, HIDDEN), dtype=torch.int8, generator=gen)),
+             torch.rand(VOCAB), HIDDEN)
+    heads = {"int8": head8, "int4": head8, "int6": int6_weight(VOCAB, HIDDEN, gen)}
     variants = {v: kernels.load_variant(v) for v in kernels.supported_variants()}
     combos = [(v, f) for v in variants for f in weights]
     result = {"threads": torch.get_num_threads(), **kernels.machine(), "rows": {}}
@@ -77,7 +88,7 @@ def main() -> None:
                 run(native, weights[c[1]], x)
                 layers = (time.perf_counter() - t) / args.layers
                 t = time.perf_counter()
-                run(native, [head], x)
+                run(native, [heads[c[1]]], x)
                 times[c].append(LAYERS * layers + time.perf_counter() - t)
         med = {f"{v} {f}": statistics.median(times[(v, f)]) for v, f in combos}
         result["rows"][m] = med
