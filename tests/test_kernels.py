@@ -122,27 +122,22 @@ def q4_fields(n: int, k: int, seed: int = 0) -> Q4Fields:
                     (torch.rand(n, supers, generator=g) * 4e-4).half().float())
 
 
-def on_q4(model: nn.Module, chosen) -> dict[str, Q4Fields]:
-    """Round the linears `chosen(name, module)` picks to Q4_K-style fields, give them exactly those
-    weights (as a model prepared from a GGUF has them) and return the fields under the weights' names."""
+def on_q4(model: nn.Module, chosen, rounding=quant.round_to_q4) -> dict[str, Q4Fields]:
+    """Round the linears `chosen(name, module)` picks to Q4_K-style fields (or `rounding`'s), give them
+    exactly those weights (as a model prepared from a GGUF has them) and return the fields under the
+    weights' names."""
     fields = {}
     with torch.no_grad():
         for name, mod in model.named_modules():
             if isinstance(mod, nn.Linear) and chosen(name, mod):
-                fields[f"{name}.weight"] = quant.round_to_q4(mod.weight)
+                fields[f"{name}.weight"] = rounding(mod.weight)
                 mod.weight.copy_(fields[f"{name}.weight"].dequantized())
     return fields
 
 
 def on_q6(model: nn.Module, chosen) -> dict[str, Q6Fields]:
     """As on_q4, with Q6_K-style fields."""
-    fields = {}
-    with torch.no_grad():
-        for name, mod in model.named_modules():
-            if isinstance(mod, nn.Linear) and chosen(name, mod):
-                fields[f"{name}.weight"] = quant.round_to_q6(mod.weight)
-                mod.weight.copy_(fields[f"{name}.weight"].dequantized())
-    return fields
+    return on_q4(model, chosen, quant.round_to_q6)
 
 
 def q6_fields(n: int, k: int, seed: int = 0) -> Q6Fields:

@@ -260,32 +260,28 @@ def _int8_gemm(lib, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor)
 
 
 def _int4_gemm(lib, x: torch.Tensor, packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
-    m, k = x.shape
-    blocks = packed.shape[0]
-    if (k % 32 or packed.shape != (blocks, k // 32, 4, BLOCK) or packed.dtype != torch.int32
-            or groups.shape != (blocks, k // 32, 2, BLOCK) or groups.dtype != torch.uint8
-            or supers.shape != (blocks, -(-k // 256), 2, BLOCK) or supers.dtype != torch.float16
-            or not (packed.is_contiguous() and groups.is_contiguous() and supers.is_contiguous())):
-        raise ValueError(f"int4_gemm: packed weight {tuple(packed.shape)} does not fit K={k}")
-    y = torch.empty(m, blocks * BLOCK, dtype=torch.float32)
-    if lib.verispec_int4_gemm(x.data_ptr(), packed.data_ptr(), groups.data_ptr(), supers.data_ptr(), y.data_ptr(),
-                              m, blocks * BLOCK, k, torch.get_num_threads()):
-        raise MemoryError("int4_gemm: no memory for the rounded activations")
-    return y
+    k, b = x.shape[1], BLOCK
+    return _block_gemm(lib.verispec_int4_gemm, "int4_gemm", x, (packed, groups, supers),
+                       (((k // 32, 4, b), torch.int32), ((k // 32, 2, b), torch.uint8), ((-(-k // 256), 2, b), torch.float16)))
 
 
 def _int6_gemm(lib, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
+    k, b = x.shape[1], BLOCK
+    return _block_gemm(lib.verispec_int6_gemm, "int6_gemm", x, (packed, scales, supers),
+                       (((k // 32, 6, b), torch.int32), ((k // 32, 2, b), torch.int8), ((-(-k // 256), b), torch.float16)))
+
+
+def _block_gemm(fn, name: str, x: torch.Tensor, tensors: tuple, expected: tuple) -> torch.Tensor:
+    """x (M, K) through a packed block layout whose three tensors must be (blocks, *shape) of dtype,
+    contiguous, as `expected` lists them -> (M, blocks · 16) float32."""
     m, k = x.shape
-    blocks = packed.shape[0]
-    if (k % 32 or packed.shape != (blocks, k // 32, 6, BLOCK) or packed.dtype != torch.int32
-            or scales.shape != (blocks, k // 32, 2, BLOCK) or scales.dtype != torch.int8
-            or supers.shape != (blocks, -(-k // 256), BLOCK) or supers.dtype != torch.float16
-            or not (packed.is_contiguous() and scales.is_contiguous() and supers.is_contiguous())):
-        raise ValueError(f"int6_gemm: packed weight {tuple(packed.shape)} does not fit K={k}")
+    blocks = tensors[0].shape[0]
+    if k % 32 or any(t.shape != (blocks, *shape) or t.dtype != dtype or not t.is_contiguous()
+                     for t, (shape, dtype) in zip(tensors, expected)):
+        raise ValueError(f"{name}: packed weight {tuple(tensors[0].shape)} does not fit K={k}")
     y = torch.empty(m, blocks * BLOCK, dtype=torch.float32)
-    if lib.verispec_int6_gemm(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), supers.data_ptr(), y.data_ptr(),
-                              m, blocks * BLOCK, k, torch.get_num_threads()):
-        raise MemoryError("int6_gemm: no memory for the rounded activations")
+    if fn(x.data_ptr(), *(t.data_ptr() for t in tensors), y.data_ptr(), m, blocks * BLOCK, k, torch.get_num_threads()):
+        raise MemoryError(f"{name}: no memory for the rounded activations")
     return y
 
 

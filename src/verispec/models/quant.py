@@ -126,20 +126,62 @@ def round_to_q6(weight: torch.Tensor) -> Q6Fields:
     return Q6Fields(q.to(torch.uint8).reshape(n, k), sc.to(torch.int8), d)
 
 
-class Int4Linear(nn.Module):
+class BlockLinear(nn.Module):
+    """A linear whose weight is a kernel's packed block layout: three tensors (the packed integers, the
+    per-group numbers, the per-super-block factors; their buffer names in FIELDS), each (ceil(N/16), …,
+    16) with the output column last, so rows can be selected without unpacking. Subclasses name the
+    kernel (`_gemm`) and its inverse (`_unpack`)."""
+
+    FIELDS: tuple[str, str, str]
+
+    def __init__(self, in_features: int, out_features: int, packed: torch.Tensor, middle: torch.Tensor,
+                 supers: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        for name, tensor in zip(self.FIELDS, (packed, middle, supers)):
+            self.register_buffer(name, tensor)
+        self.register_buffer("bias", bias)
+        self._dense: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, name) for name in self.FIELDS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape                                                     # (..., K)
+        x2 = x.reshape(-1, shape[-1]).float().contiguous()                 # (M, K)
+        if x2.device.type == "cpu" and kernels.available():
+            y = self._gemm(x2, *self.tensors())[:, : self.out_features]    # (M, N)
+        else:
+            if self._dense is None:
+                self._dense = self.dequantized()
+            y = x2 @ self._dense.T
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        return self._unpack(*self.tensors(), self.out_features)
+
+    def select_rows(self, rows: torch.Tensor) -> "BlockLinear":
+        """A linear with only the given output rows: the same integers, numbers and factors."""
+        return type(self)(self.in_features, len(rows), *kernels.select_block_rows(self.tensors(), rows),
+                          None if self.bias is None else self.bias[rows].clone())
+
+    @classmethod
+    def _shell(cls, linear: nn.Linear, shapes: tuple, dtypes: tuple) -> "BlockLinear":
+        """A shell with the right buffer shapes (for loading cached weights); shapes after the block count."""
+        blocks = -(-linear.out_features // kernels.BLOCK)
+        bias = None if linear.bias is None else torch.empty(linear.out_features)
+        return cls(linear.in_features, linear.out_features,
+                   *(torch.empty(blocks, *shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)), bias)
+
+
+class Int4Linear(BlockLinear):
     """int4 weights in gemm4.c's layout (kernels.pack_int4): packed (ceil(N/16), K/32, 4, 16) int32
     nibbles, groups (ceil(N/16), K/32, 2, 16) uint8 (sc, m), supers (ceil(N/16), ceil(K/256), 2, 16)
     float16 (d, dmin)."""
 
-    def __init__(self, in_features: int, out_features: int, packed: torch.Tensor, groups: torch.Tensor,
-                 supers: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("packed", packed)
-        self.register_buffer("groups", groups)
-        self.register_buffer("supers", supers)
-        self.register_buffer("bias", bias)
-        self._dense: torch.Tensor | None = None
+    FIELDS = ("packed", "groups", "supers")
 
     @classmethod
     def from_fields(cls, fields: Q4Fields, bias: torch.Tensor | None = None) -> "Int4Linear":
@@ -156,50 +198,24 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def empty(cls, linear: nn.Linear) -> "Int4Linear":
-        """A shell with the right buffer shapes (for loading cached weights)."""
-        n, k = linear.out_features, linear.in_features
-        blocks = -(-n // kernels.BLOCK)
-        bias = None if linear.bias is None else torch.empty(n)
-        return cls(k, n, torch.empty(blocks, k // GROUP, 4, kernels.BLOCK, dtype=torch.int32),
-                   torch.empty(blocks, k // GROUP, 2, kernels.BLOCK, dtype=torch.uint8),
-                   torch.empty(blocks, -(-k // SUPER), 2, kernels.BLOCK, dtype=torch.float16), bias)
+        k, b = linear.in_features, kernels.BLOCK
+        return cls._shell(linear, ((k // GROUP, 4, b), (k // GROUP, 2, b), (-(-k // SUPER), 2, b)),
+                          (torch.int32, torch.uint8, torch.float16))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape                                                     # (..., K)
-        x2 = x.reshape(-1, shape[-1]).float().contiguous()                 # (M, K)
-        if x2.device.type == "cpu" and kernels.available():
-            y = kernels.int4_gemm(x2, self.packed, self.groups, self.supers)[:, : self.out_features]   # (M, N)
-        else:
-            if self._dense is None:
-                self._dense = self.dequantized()
-            y = x2 @ self._dense.T
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+    @staticmethod
+    def _gemm(x, packed, groups, supers):
+        return kernels.int4_gemm(x, packed, groups, supers)
 
-    def dequantized(self) -> torch.Tensor:
-        return kernels.unpack_int4(self.packed, self.groups, self.supers, self.out_features)
-
-    def select_rows(self, rows: torch.Tensor) -> "Int4Linear":
-        """A linear with only the given output rows: the same nibbles, multipliers and factors."""
-        return Int4Linear(self.in_features, len(rows), *kernels.select_block_rows((self.packed, self.groups,
-                                                                                  self.supers), rows),
-                          None if self.bias is None else self.bias[rows].clone())
+    @staticmethod
+    def _unpack(packed, groups, supers, n):
+        return kernels.unpack_int4(packed, groups, supers, n)
 
 
-class Int6Linear(nn.Module):
+class Int6Linear(BlockLinear):
     """int6 weights as Q6_K stores them, in gemm6.c's layout (kernels.pack_int6): packed (ceil(N/16), K/32,
     6, 16) int32 words, scales (ceil(N/16), K/32, 2, 16) int8, supers (ceil(N/16), ceil(K/256), 16) float16."""
 
-    def __init__(self, in_features: int, out_features: int, packed: torch.Tensor, scales: torch.Tensor,
-                 supers: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales", scales)
-        self.register_buffer("supers", supers)
-        self.register_buffer("bias", bias)
-        self._dense: torch.Tensor | None = None
+    FIELDS = ("packed", "scales", "supers")
 
     @classmethod
     def from_fields(cls, fields: Q6Fields, bias: torch.Tensor | None = None) -> "Int6Linear":
@@ -208,35 +224,17 @@ class Int6Linear(nn.Module):
 
     @classmethod
     def empty(cls, linear: nn.Linear) -> "Int6Linear":
-        """A shell with the right buffer shapes (for loading cached weights)."""
-        n, k = linear.out_features, linear.in_features
-        blocks = -(-n // kernels.BLOCK)
-        bias = None if linear.bias is None else torch.empty(n)
-        return cls(k, n, torch.empty(blocks, k // GROUP, 6, kernels.BLOCK, dtype=torch.int32),
-                   torch.empty(blocks, k // GROUP, 2, kernels.BLOCK, dtype=torch.int8),
-                   torch.empty(blocks, -(-k // SUPER), kernels.BLOCK, dtype=torch.float16), bias)
+        k, b = linear.in_features, kernels.BLOCK
+        return cls._shell(linear, ((k // GROUP, 6, b), (k // GROUP, 2, b), (-(-k // SUPER), b)),
+                          (torch.int32, torch.int8, torch.float16))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape                                                     # (..., K)
-        x2 = x.reshape(-1, shape[-1]).float().contiguous()                 # (M, K)
-        if x2.device.type == "cpu" and kernels.available():
-            y = kernels.int6_gemm(x2, self.packed, self.scales, self.supers)[:, : self.out_features]   # (M, N)
-        else:
-            if self._dense is None:
-                self._dense = self.dequantized()
-            y = x2 @ self._dense.T
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+    @staticmethod
+    def _gemm(x, packed, scales, supers):
+        return kernels.int6_gemm(x, packed, scales, supers)
 
-    def dequantized(self) -> torch.Tensor:
-        return kernels.unpack_int6(self.packed, self.scales, self.supers, self.out_features)
-
-    def select_rows(self, rows: torch.Tensor) -> "Int6Linear":
-        """A linear with only the given output rows: the same words, scales and factors."""
-        return Int6Linear(self.in_features, len(rows), *kernels.select_block_rows((self.packed, self.scales,
-                                                                                  self.supers), rows),
-                          None if self.bias is None else self.bias[rows].clone())
+    @staticmethod
+    def _unpack(packed, scales, supers, n):
+        return kernels.unpack_int6(packed, scales, supers, n)
 
 
 class Int4Embedding(nn.Module):
