@@ -28,6 +28,20 @@ def test_the_sub_head_gives_the_full_heads_logits_for_its_rows(fmt):
     vocab = torch.tensor([1, 5, 17, 40, 95])
     full = model.logits(hidden, rows)
     torch.testing.assert_close(model.logits(hidden, rows, vocab), full[..., vocab], rtol=1e-6, atol=1e-6)
+    # Asked again with the same tensor (the draft's every step), another vocabulary, then the first again.
+    torch.testing.assert_close(model.logits(hidden, rows, vocab), full[..., vocab], rtol=1e-6, atol=1e-6)
+    other = torch.tensor([3, 4, 90])
+    torch.testing.assert_close(model.logits(hidden, rows, other), full[..., other], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model.logits(hidden, rows, vocab), full[..., vocab], rtol=1e-6, atol=1e-6)
+
+
+def test_a_new_lm_head_is_not_served_the_old_heads_rows():
+    model = tiny_model(0)
+    hidden, rows, vocab = torch.randn(1, 2, 64), torch.tensor([[0, 1]]), torch.tensor([2, 7, 9])
+    model.logits(hidden, rows, vocab)
+    model = quantize_linears(model, "int8")                                  # swaps the LM head
+    torch.testing.assert_close(model.logits(hidden, rows, vocab), model.logits(hidden, rows)[..., vocab],
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_frequent_tokens_keep_the_stop_tokens_and_are_cached(tmp_path):

@@ -192,7 +192,7 @@ def test_int4_packing_round_trips(n, k):
     assert groups[0, 0, 1, 1] == f.m[1, 0] and supers[0, -1, 0, 3] == f.d[3, -1].half()
 
 
-@pytest.mark.parametrize("n,k", [(40, 96), (9, 896), (300, 64)])
+@pytest.mark.parametrize("n,k", [(40, 96), (9, 896), (300, 64), (33, 544)])
 def test_int4_rows_read_only_those_rows_exactly(n, k):
     f = q4_fields(n, k, seed=n)
     packed, groups, supers = kernels.pack_int4(f.q, f.sc, f.m, f.d, f.dmin)
@@ -200,9 +200,28 @@ def test_int4_rows_read_only_those_rows_exactly(n, k):
     rows = kernels.int4_rows(packed, groups, supers, ids)                     # (2, 3, K)
     assert rows.shape == (2, 3, k)
     torch.testing.assert_close(rows, f.dequantized()[ids], rtol=0, atol=0)
+    torch.testing.assert_close(kernels.packing.int4_rows(packed, groups, supers, ids), rows, rtol=0, atol=0)
     sub = torch.tensor([n - 1, 0, 2])
     picked = kernels.unpack_int4(*kernels.select_block_rows((packed, groups, supers), sub), len(sub))
     torch.testing.assert_close(picked, f.dequantized()[sub], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n,k", [(40, 96), (17, 896), (5, 288)])
+def test_native_int4_rows_equal_the_torch_lookup_bit_for_bit(native, n, k):
+    """The native embedding lookup runs packing.int4_rows' fp32 operations (the same bits), reads any
+    shape of ids, and refuses an id past the table instead of reading beyond it."""
+    f = q4_fields(n, k, seed=n + k)
+    packed, groups, supers = kernels.pack_int4(f.q, f.sc, f.m, f.d, f.dmin)
+    ids = torch.tensor([[n - 1, 0], [4, 4], [n // 3, 1]])
+    rows = native.int4_rows(packed, groups, supers, ids)                      # (3, 2, K)
+    assert rows.shape == (3, 2, k)
+    torch.testing.assert_close(rows, kernels.packing.int4_rows(packed, groups, supers, ids), rtol=0, atol=0)
+    torch.testing.assert_close(rows, f.dequantized()[ids], rtol=0, atol=0)
+    for bad in (-1, packed.shape[0] * 16):
+        with pytest.raises(IndexError):
+            native.int4_rows(packed, groups, supers, torch.tensor([0, bad]))
+    with pytest.raises(ValueError):
+        native.int4_rows(packed, groups.to(torch.int8), supers, ids)
 
 
 def test_int4_embeddings_give_the_files_rows_and_keep_greedy_output():

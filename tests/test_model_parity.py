@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from verispec.models import KVCache
+from verispec.models.transformer import ROTARY_TABLE_MIN, Rotary
 from conftest import tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -115,3 +116,23 @@ def test_checkpoint_projections_load_fused_and_round_trip():
     again.load_state_dict(parts, strict=False)
     for name, t in ours.state_dict().items():
         assert torch.equal(again.state_dict()[name], t), name
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 8])
+def test_rotary_table_keeps_each_positions_angles_as_it_grows(head_dim):
+    """cos/sin come from a table grown on demand: a position's angles are the direct computation's
+    (RoPE's freqs · position, duplicated), and have the same bits before and after the table grows."""
+    rot = Rotary(head_dim, 10000.0)
+    early = torch.tensor([[0, 5, 17, 63]])
+    cos, sin = rot(early, torch.float32)                                     # (1, 1, 4, D)
+    assert cos.shape == (1, 1, 4, head_dim) and rot._table[0].shape[0] == ROTARY_TABLE_MIN
+    freqs = (early[..., None].float() * rot.inv_freq).double()              # RoPE's fp32 angles, exact cos
+    ref = torch.cat((freqs, freqs), dim=-1)
+    torch.testing.assert_close(cos[:, 0].double(), ref.cos(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin[:, 0].double(), ref.sin(), rtol=0, atol=1e-6)
+    far = torch.tensor([[5, 3000], [17, 63]])
+    cos2, sin2 = rot(far, torch.float32)                                     # grows the table to 4096
+    assert rot._table[0].shape[0] == 4096
+    assert torch.equal(cos2[0, 0, 0], cos[0, 0, 1]) and torch.equal(sin2[1, 0], sin[0, 0, 2:])
+    freqs = (torch.tensor(3000.0) * rot.inv_freq).double()
+    torch.testing.assert_close(cos2[0, 0, 1, : head_dim // 2].double(), freqs.cos(), rtol=0, atol=1e-6)

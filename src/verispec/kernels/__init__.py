@@ -34,13 +34,14 @@ import torch
 
 from verispec.cache import atomic_file, cache_dir
 from verispec.kernels.abi import CacheLayout, DecoderDims, LayerWeights, LinearWeights  # noqa: F401
-from verispec.kernels.packing import (BLOCK, int4_rows, int6_rows, pack_int4, pack_int6, pack_int8,  # noqa: F401
+from verispec.kernels import packing
+from verispec.kernels.packing import (BLOCK, int6_rows, pack_int4, pack_int6, pack_int8,  # noqa: F401
                                       select_block_rows, unpack_int4, unpack_int6, unpack_int8)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "gemm6.c", HERE / "attention.c", HERE / "decoder.c"]
 HEADER = HERE / "kernels.h"
-ABI = 15
+ABI = 16
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _status = "not loaded"
 
@@ -127,8 +128,9 @@ class NativeKernels:
         lib.verispec_decoder.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
                                          + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4
                                          + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 4 + [ctypes.c_int])
+        lib.verispec_int4_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_void_p]
         for fn in (lib.verispec_int8_gemm, lib.verispec_int4_gemm, lib.verispec_int6_gemm, lib.verispec_attend_rows,
-                   lib.verispec_decoder):
+                   lib.verispec_decoder, lib.verispec_int4_rows):
             fn.restype = ctypes.c_int
 
     def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -141,6 +143,10 @@ class NativeKernels:
     def int6_gemm(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                   supers: torch.Tensor) -> torch.Tensor:
         return _int6_gemm(self.lib, x, packed, scales, supers)
+
+    def int4_rows(self, packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor,
+                  rows: torch.Tensor) -> torch.Tensor:
+        return _int4_rows(self.lib, packed, groups, supers, rows)
 
     def attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                     scale: float) -> torch.Tensor | None:
@@ -230,6 +236,17 @@ def int6_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, super
     return _load().int6_gemm(x, packed, scales, supers)
 
 
+def int4_rows(packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (any shape R) of the weight pack_int4's arguments describe, (*R, K) float32 with
+    unpack_int4's values bit for bit, reading only those rows (an embedding lookup): natively when the
+    kernels are available (a few microseconds where the torch version takes ~15 small ops), else
+    `packing.int4_rows`."""
+    lib = _load()
+    if lib is None:
+        return packing.int4_rows(packed, groups, supers, rows)
+    return lib.int4_rows(packed, groups, supers, rows)
+
+
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                 scale: float) -> torch.Tensor | None:
     """Each query row attends over exactly its own prefix (see gemm.c), or None when the tensors do not
@@ -269,6 +286,23 @@ def _int6_gemm(lib, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     k, b = x.shape[1], BLOCK
     return _block_gemm(lib.verispec_int6_gemm, "int6_gemm", x, (packed, scales, supers),
                        (((k // 32, 6, b), torch.int32), ((k // 32, 2, b), torch.int8), ((-(-k // 256), b), torch.float16)))
+
+
+def _int4_rows(lib, packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor,
+               rows: torch.Tensor) -> torch.Tensor:
+    blocks, ngroups = packed.shape[:2]
+    k = 32 * ngroups
+    expected = (((ngroups, 4, BLOCK), torch.int32), ((ngroups, 2, BLOCK), torch.uint8),
+                ((-(-k // 256), 2, BLOCK), torch.float16))
+    if any(t.shape != (blocks, *shape) or t.dtype != dtype or not t.is_contiguous()
+           for t, (shape, dtype) in zip((packed, groups, supers), expected)):
+        raise ValueError(f"int4_rows: packed weight {tuple(packed.shape)} is not in pack_int4's layout")
+    ids = rows.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    if lib.verispec_int4_rows(packed.data_ptr(), groups.data_ptr(), supers.data_ptr(), ids.data_ptr(), ids.numel(),
+                              blocks * BLOCK, k, out.data_ptr()):
+        raise IndexError(f"int4_rows: a row outside 0 … {blocks * BLOCK - 1}")
+    return out.reshape(*rows.shape, k)
 
 
 def _block_gemm(fn, name: str, x: torch.Tensor, tensors: tuple, expected: tuple) -> torch.Tensor:

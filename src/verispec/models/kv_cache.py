@@ -17,6 +17,7 @@ a decode step still read identical caches: greedy speculative == greedy plain wi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -158,10 +159,18 @@ class CacheView:
         # Contiguous slots -> plain slicing (no copy when reading); otherwise index tensors.
         self._range = slice(first, first + b) if self.slots == list(range(first, first + b)) else None
         self._rows = torch.tensor(self.slots, device=self.positions.device)
-        self.position_lists: list[list[int]] = self.positions.tolist()   # read once, not per layer
-        # (B, 1, T, kv_len): query at position t sees keys at positions <= t.
+
+    # Only the torch layers read these two; a native pass never builds them (each small torch op costs
+    # tens of microseconds right after a pass has streamed the weights through the caches).
+    @cached_property
+    def position_lists(self) -> list[list[int]]:
+        return self.positions.tolist()                                     # read once, not per layer
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """(B, 1, T, kv_len): query at position t sees keys at positions <= t."""
         keys = torch.arange(self.kv_len, device=self.positions.device)
-        self.mask = (keys[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)
+        return (keys[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)
 
     def layout(self):
         """How a native pass reads and writes this cache in place (`kernels.CacheLayout`): each sequence's

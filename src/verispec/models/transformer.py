@@ -38,6 +38,12 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+# The smallest cos/sin table: its element count (positions × head_dim) is then a multiple of every
+# vector width torch's elementwise kernels use, so no position falls in a scalar remainder loop and a
+# position's angles have the same bits whatever size the table has grown to.
+ROTARY_TABLE_MIN = 256
+
+
 class Rotary(nn.Module):
     """RoPE in the rotate-half layout (Hugging Face's; GGUF llama Q/K are un-permuted at load)."""
 
@@ -46,10 +52,22 @@ class Rotary(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None       # cos, sin (P, D) float32
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq      # (B, T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)                    # (B, T, D)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # (B, 1, T, D)
+        """positions (B, T) -> cos, sin (B, 1, T, D): rows of a table of every position so far, grown
+        (to a power of two) when a position passes its end; one lookup per pass instead of ~6 ops."""
+        top = int(positions.max()) + 1 if positions.numel() else 1
+        if self._table is None or self._table[0].shape[0] < top or self._table[0].device != positions.device:
+            size = max(ROTARY_TABLE_MIN, 1 << (top - 1).bit_length())
+            self._table = self._angles(torch.arange(size, device=positions.device))
+        cos, sin = self._table
+        return cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None]
+
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq      # (P, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)                    # (P, D)
+        return emb.cos(), emb.sin()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -160,6 +178,7 @@ class Transformer(nn.Module):
         self._native: NativeDecoder | None = None
         self._native_key: tuple | None = None                                  # the weights it was built for
         self._sub_heads: dict[tuple, nn.Module] = {}                           # LM heads over truncated vocabularies
+        self._last_head: tuple | None = None                                   # (vocab, lm_head, head) of the last call
         # load_state_dict takes checkpoint names (q_proj, …) as well as fused ones.
         self.register_load_state_dict_pre_hook(lambda module, state, prefix, *_: fuse_projections(state, prefix))
 
@@ -225,12 +244,16 @@ class Transformer(nn.Module):
 
     def _head_for(self, vocab: torch.Tensor) -> nn.Module:
         """The LM head restricted to the rows in vocab (built once per vocabulary)."""
+        last = self._last_head
+        if last is not None and last[0] is vocab and last[1] is self.lm_head:  # the same tensor as last step
+            return last[2]
         key = (hash(vocab.numpy().tobytes()), vocab.numel(), id(self.lm_head))   # by content: engines share it
         head = self._sub_heads.get(key)
         if head is None:
             if len(self._sub_heads) >= 4:                                       # a few vocabularies at most
                 self._sub_heads.pop(next(iter(self._sub_heads)))
             head = self._sub_heads[key] = _select_rows(self.lm_head, vocab)
+        self._last_head = (vocab, self.lm_head, head)
         return head
 
 
