@@ -224,6 +224,30 @@ def test_native_int4_rows_equal_the_torch_lookup_bit_for_bit(native, n, k):
         native.int4_rows(packed, groups.to(torch.int8), supers, ids)
 
 
+@pytest.mark.parametrize("c", [896, 1536, 13])
+def test_native_final_norm_matches_rmsnorm_and_is_row_exact(native, c):
+    """The final norm on gathered rows: RMSNorm's values (to rounding), each row's bits independent of
+    which and how many rows share the call, and a row index past the pass refused."""
+    from verispec.models.transformer import RMSNorm
+
+    torch.manual_seed(c)
+    x = torch.randn(2, 7, c) * 3                                             # (B, T, C)
+    norm = RMSNorm(c, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(c) + 0.5)
+    rows = torch.tensor([[6, 0, 3], [2, 2, 5]])
+    out = native.rmsnorm_rows(x, rows, norm.weight.detach(), 1e-6)           # (B, R, C)
+    ref = norm(torch.gather(x, 1, rows[..., None].expand(-1, -1, c)))
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    alone = native.rmsnorm_rows(x[1:], torch.tensor([[5]]), norm.weight.detach(), 1e-6)
+    assert torch.equal(alone[0, 0], out[1, 2])
+    for bad in (-1, 7):
+        with pytest.raises(IndexError):
+            native.rmsnorm_rows(x, torch.tensor([[0], [bad]]), norm.weight.detach(), 1e-6)
+    with pytest.raises(ValueError):
+        native.rmsnorm_rows(x.double(), rows, norm.weight.detach(), 1e-6)
+
+
 def test_int4_embeddings_give_the_files_rows_and_keep_greedy_output():
     """A model whose token embeddings the file holds as Q4_K: int4 keeps them in that layout (an
     eighth of the float32 bytes) and every lookup gives exactly the float rows, so the output is the

@@ -41,7 +41,7 @@ from verispec.kernels.packing import (BLOCK, int6_rows, pack_int4, pack_int6, pa
 HERE = Path(__file__).parent
 SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "gemm6.c", HERE / "attention.c", HERE / "decoder.c"]
 HEADER = HERE / "kernels.h"
-ABI = 16
+ABI = 17
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _status = "not loaded"
 
@@ -129,8 +129,10 @@ class NativeKernels:
                                          + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4
                                          + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 4 + [ctypes.c_int])
         lib.verispec_int4_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_void_p]
+        lib.verispec_rmsnorm_rows.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] * 4
+                                              + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p])
         for fn in (lib.verispec_int8_gemm, lib.verispec_int4_gemm, lib.verispec_int6_gemm, lib.verispec_attend_rows,
-                   lib.verispec_decoder, lib.verispec_int4_rows):
+                   lib.verispec_decoder, lib.verispec_int4_rows, lib.verispec_rmsnorm_rows):
             fn.restype = ctypes.c_int
 
     def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -147,6 +149,9 @@ class NativeKernels:
     def int4_rows(self, packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor,
                   rows: torch.Tensor) -> torch.Tensor:
         return _int4_rows(self.lib, packed, groups, supers, rows)
+
+    def rmsnorm_rows(self, x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return _rmsnorm_rows(self.lib, x, rows, weight, eps)
 
     def attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                     scale: float) -> torch.Tensor | None:
@@ -247,6 +252,13 @@ def int4_rows(packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor, 
     return lib.int4_rows(packed, groups, supers, rows)
 
 
+def rmsnorm_rows(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (B, T, C) float32, rows (B, R) indices into T -> RMSNorm(x[b, rows[b]]) · weight, (B, R, C): the
+    final norm on the rows whose logits a pass needs, with the native decoder's per-row arithmetic (one
+    call where torch takes ~8 small ops). Needs the native kernels (`available()`)."""
+    return _load().rmsnorm_rows(x, rows, weight, eps)
+
+
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                 scale: float) -> torch.Tensor | None:
     """Each query row attends over exactly its own prefix (see gemm.c), or None when the tensors do not
@@ -303,6 +315,21 @@ def _int4_rows(lib, packed: torch.Tensor, groups: torch.Tensor, supers: torch.Te
                               blocks * BLOCK, k, out.data_ptr()):
         raise IndexError(f"int4_rows: a row outside 0 … {blocks * BLOCK - 1}")
     return out.reshape(*rows.shape, k)
+
+
+def _rmsnorm_rows(lib, x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dim() != 3 or x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError(f"rmsnorm_rows: x must be a contiguous (B, T, C) float32 tensor, not {tuple(x.shape)} {x.dtype}")
+    b, t, c = x.shape
+    if rows.dim() != 2 or rows.shape[0] != b or weight.shape != (c,) or weight.dtype != torch.float32:
+        raise ValueError(f"rmsnorm_rows: rows {tuple(rows.shape)} / weight {tuple(weight.shape)} do not fit x {(b, t, c)}")
+    rows = rows.to(torch.int64).contiguous()
+    weight = weight.contiguous()
+    out = torch.empty(b, rows.shape[1], c, dtype=torch.float32)
+    if lib.verispec_rmsnorm_rows(x.data_ptr(), rows.data_ptr(), b, rows.shape[1], t, c, weight.data_ptr(), eps,
+                                 out.data_ptr()):
+        raise IndexError(f"rmsnorm_rows: a row outside 0 … {t - 1}")
+    return out
 
 
 def _block_gemm(fn, name: str, x: torch.Tensor, tensors: tuple, expected: tuple) -> torch.Tensor:

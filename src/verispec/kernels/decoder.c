@@ -64,22 +64,23 @@ typedef struct {
     float eps, scale;                                       /* RMSNorm epsilon; attention scale D^-1/2 */
 } decoder_dims;
 
-/* y[r] = w · (x[r] / sqrt(mean(x[r]²) + eps)), the torch model's order of the last two products. */
+/* y = w · (x / sqrt(mean(x²) + eps)) for one row of C, the torch model's order of the last two products. */
+static void rmsnorm_row(const float *xr, const float *w, float *y, long C, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    long c = 0;
+    for (; c + 8 <= C; c += 8) {
+        __m256 v = _mm256_loadu_ps(xr + c);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    float ss = hsum(acc);
+    for (; c < C; c++) ss += xr[c] * xr[c];
+    float inv = 1.0f / sqrtf(ss / (float)C + eps);
+    for (c = 0; c < C; c++) y[c] = w[c] * (xr[c] * inv);
+}
+
 static void rmsnorm_ws(const float *x, const float *w, float *y, long R, long C, float eps) {
 #pragma omp for schedule(static)
-    for (long r = 0; r < R; r++) {
-        const float *xr = x + r * C;
-        __m256 acc = _mm256_setzero_ps();
-        long c = 0;
-        for (; c + 8 <= C; c += 8) {
-            __m256 v = _mm256_loadu_ps(xr + c);
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
-        }
-        float ss = hsum(acc);
-        for (; c < C; c++) ss += xr[c] * xr[c];
-        float inv = 1.0f / sqrtf(ss / (float)C + eps);
-        for (c = 0; c < C; c++) y[r * C + c] = w[c] * (xr[c] * inv);
-    }
+    for (long r = 0; r < R; r++) rmsnorm_row(x + r * C, w, y + r * C, C, eps);
 }
 
 static void add_rows_ws(float *x, const float *y, long R, long C) {
@@ -188,5 +189,18 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
         add_rows_ws(x, tmp, R, C);
     }
     free(arena);
+    return 0;
+}
+
+/* The final norm on gathered rows: out[b, i] = rmsnorm(x[b, rows[b, i]]) for x (B, T, C), rows (B, n),
+   out (B, n, C) — the decoder's per-row norm, one thread (a few rows). Returns 0, or -1 when a row is
+   outside 0 … T-1. */
+int verispec_rmsnorm_rows(const float *x, const int64_t *rows, long B, long n, long T, long C, const float *w,
+                          float eps, float *out) {
+    for (long i = 0; i < B * n; i++)
+        if (rows[i] < 0 || rows[i] >= T) return -1;
+    for (long b = 0; b < B; b++)
+        for (long i = 0; i < n; i++)
+            rmsnorm_row(x + (b * T + rows[b * n + i]) * C, w, out + (b * n + i) * C, C, eps);
     return 0;
 }

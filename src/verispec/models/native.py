@@ -11,8 +11,6 @@ fallback: bf16, GPUs, prefill chunks, `VERISPEC_KERNELS=off`.
 from __future__ import annotations
 
 
-import itertools
-
 import torch
 
 from verispec import kernels
@@ -59,9 +57,12 @@ class NativeDecoder:
     @staticmethod
     def fingerprint(model) -> tuple:
         """Identifies the weights the pointers were read from (a reload or a quantization swap changes it)."""
-        ends = (model.model.layers[0].self_attn.qkv_proj, model.model.layers[-1].mlp.down_proj)
-        first_tensor = lambda m: next(itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
-        return tuple(id(m) for m in ends) + tuple(first_tensor(m).data_ptr() for m in ends)
+        # Read on every pass, so through the modules' own tables (a few dict lookups; nn.Module attribute
+        # access costs ~10x that): the first and last projections, and the integers (or weight) they hold.
+        layers = model._modules["model"]._modules["layers"]._modules
+        first = layers[next(iter(layers))]._modules["self_attn"]._modules["qkv_proj"]
+        last = layers[next(reversed(layers))]._modules["mlp"]._modules["down_proj"]
+        return tuple((id(m), _stored(m).data_ptr()) for m in (first, last))
 
     @classmethod
     def build(cls, model) -> "NativeDecoder | None":
@@ -92,6 +93,14 @@ class NativeDecoder:
         cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()              # (B, T, D)
         kernels.decoder(x, self.weights, self.dims, cos, sin, cache.positions.contiguous(), layout)
         return x
+
+
+def _stored(linear) -> torch.Tensor:
+    """The tensor a projection's values live in: the packed formats' integers, else its weight."""
+    for table, name in ((linear._buffers, "packed"), (linear._buffers, "weight"), (linear._parameters, "weight")):
+        if table.get(name) is not None:
+            return table[name]
+    raise TypeError(f"{type(linear).__name__} holds no weight")
 
 
 __all__ = ["NativeDecoder"]

@@ -232,7 +232,13 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def final_states(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """hidden (B, T, C), rows (B, R) -> the final-normed states the LM head reads, (B, R, C)."""
+        """hidden (B, T, C), rows (B, R) -> the final-normed states the LM head reads, (B, R, C).
+
+        A model with a native pass (as the forward that made `hidden` found it) normalises natively,
+        whichever layers made `hidden` (a pure function of each row, so every position's logits keep one
+        value), else with the torch norm."""
+        if self.native_pass and self._native is not None:
+            return kernels.rmsnorm_rows(hidden.contiguous(), rows, self.model.norm.weight, self.model.norm.eps)
         idx = rows[..., None].expand(-1, -1, hidden.shape[-1])                 # (B, R, C)
         return self.model.norm(torch.gather(hidden, 1, idx))
 
