@@ -138,6 +138,33 @@ def plain_outputs_for(target, prompts, params):
     return [o.token_ids for o in LLM(target, proposer="none").generate(prompts, params)]
 
 
+@pytest.mark.parametrize("proposer", ["draft", "hybrid"])
+def test_greedy_rounds_carry_no_draft_probabilities(pair, proposer, monkeypatch):
+    """Greedy acceptance compares tokens alone, so a greedy round's proposal holds no q (no (B, K, V)
+    floats built per round); a sampled round carries the q its drafts were sampled from."""
+    from verispec.proposers.draft import DraftModelProposer
+    from verispec.proposers.hybrid import HybridProposer
+
+    cls = DraftModelProposer if proposer == "draft" else HybridProposer
+    target, draft = pair
+    seen: list[bool] = []
+    original = cls.propose
+
+    def spy(self, seqs, ks):
+        out = original(self, seqs, ks)
+        if int(out.num_draft.sum()) and (out.source is None or "draft" in out.source):
+            seen.append(out.q is not None)
+        return out
+
+    monkeypatch.setattr(cls, "propose", spy)
+    llm = LLM(target, draft=draft, proposer=proposer, k=3)
+    llm.generate(PROMPTS, greedy())
+    assert seen and not any(seen)
+    seen.clear()
+    llm.generate(PROMPTS, SamplingParams(temperature=0.8, max_tokens=24, seed=2))
+    assert seen and all(seen)
+
+
 def test_samples_of_one_prompt_share_its_prefill_and_match_separate_runs():
     """n > 1 prefills the prompt once and copies the cache; each sample equals a run of its own."""
     from conftest import tiny_model

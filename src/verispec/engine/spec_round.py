@@ -5,6 +5,7 @@ Plain decoding is the same round with K = 0: the verify pass then scores just th
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -81,8 +82,8 @@ def speculative_round(seqs: list[Sequence], target: ModelRunner, proposer: Propo
     t2 = time.perf_counter()
     _check_finite(logits[: len(seqs)], proposal)
     if len(rows) > len(seqs) and not torch.isfinite(logits[len(seqs):]).all():
-        raise NonFiniteOutput("the target model produced NaN or infinite logits; its weights or settings are "
-                              "broken (or its activations overflow)")
+            raise NonFiniteOutput("the target model produced NaN or infinite logits; its weights or settings "
+                                  "are broken (or its activations overflow)")
 
     # 3. Accept: greedy rows by argmax, sampling rows by modified rejection sampling; rows with
     #    alternative branches walk their token tree (sampling/branches.py).
@@ -173,16 +174,21 @@ def _open_branches(seqs: list[Sequence], target: ModelRunner, proposal: Proposal
 def _check_finite(logits: torch.Tensor, proposal: Proposal) -> None:
     """Fail loudly on NaN or infinite scores (a broken or overflowing model) instead of sampling garbage.
     Only the rows each sequence reads count: padding rows of a ragged pass may hold anything."""
-    b, width, _ = logits.shape
-    used = torch.arange(width)[None, :] <= proposal.num_draft[:, None]              # (B, K+1)
-    if not torch.isfinite(logits[used]).all():
+    drafted = proposal.num_draft.tolist()
+    if not all(_finite(logits[b, : n + 1]) for b, n in enumerate(drafted)):
         raise NonFiniteOutput("the target model produced NaN or infinite logits; its weights or settings are "
                               "broken (or its activations overflow)")
     if proposal.q is not None and proposal.q.numel():
-        drafted = torch.arange(proposal.q.shape[1])[None, :] < proposal.num_draft[:, None]   # (B, K)
-        if not torch.isfinite(proposal.q[drafted]).all():
+        if not all(_finite(proposal.q[b, :n]) for b, n in enumerate(drafted) if n):
             raise NonFiniteOutput("the draft model produced NaN or infinite probabilities; its weights or "
                                   "settings are broken (or its activations overflow)")
+
+
+def _finite(scores: torch.Tensor) -> bool:
+    """Every value finite, from the smallest and largest alone (one reduction over a view, no copy): a NaN
+    propagates into both, an infinity into one."""
+    low, high = torch.aminmax(scores)
+    return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
 def _accept(seqs: list[Sequence], logits: torch.Tensor, proposal: Proposal, skip: set[int]) -> AcceptanceResult:
@@ -194,11 +200,9 @@ def _accept(seqs: list[Sequence], logits: torch.Tensor, proposal: Proposal, skip
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy and i not in skip]
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in skip]
     if greedy:
-        g = torch.tensor(greedy)
+        g = slice(None) if len(greedy) == b else torch.tensor(greedy)          # every row: no copy of the logits
         res = accept_greedy(logits[g], proposal.tokens[g], proposal.num_draft[g])
-        num_accepted[g], tokens[g] = res.num_accepted, res.tokens
-        # Greedy p and q are point masses at their argmax: overlap = 1 where they agree.
-        overlap[g] = (proposal.tokens[g] == logits[g, :k].argmax(-1)).float()
+        num_accepted[g], tokens[g], overlap[g] = res.num_accepted, res.tokens, res.overlap
     if sampled:
         idx = torch.tensor(sampled)
         ps = [seqs[i].params for i in sampled]

@@ -54,10 +54,12 @@ class DraftModelProposer(Proposer):
         self.written = {}        # only sequences drafted this round move past their committed length
         b, k_max = len(seqs), max(ks, default=0)
         tokens = torch.zeros(b, k_max, dtype=torch.long)
-        q = torch.zeros(b, k_max, self.target_vocab)
+        greedy = [s.params.greedy for s in seqs]
+        # q only where a drafted row samples: greedy acceptance compares tokens alone (None = point masses).
+        sampling = any(k and not g for k, g in zip(ks, greedy))
+        q = torch.zeros(b, k_max, self.target_vocab) if sampling else None
         if k_max == 0:
             return Proposal(tokens, torch.tensor(ks), q)
-        greedy = [s.params.greedy for s in seqs]
         temp = torch.tensor([s.params.temperature if not g else 1.0 for s, g in zip(seqs, greedy)])
         top_k = torch.tensor([s.params.top_k for s in seqs])
         top_p = torch.tensor([s.params.top_p for s in seqs])
@@ -80,15 +82,16 @@ class DraftModelProposer(Proposer):
             for j, c in zip(active, (chunks[j] for j in active)):
                 self.runner.cache.set_length(seqs[j].slot, self.runner.length(seqs[j].slot) + len(c))
             a = torch.tensor(active)
-            probs = warp_probs(logits, temp[a], top_k[a], top_p[a])[:, 0]        # (A, V or N)
-            picked = sample_from(probs, [gens[j] for j in active])
-            greedy_rows = torch.tensor([greedy[j] for j in active])
-            picked = torch.where(greedy_rows, logits[:, 0].argmax(-1), picked)
-            if self.vocab is None:
-                tokens[a, i], q[a, i] = picked, probs
-            else:                              # subset indices -> token ids; q is zero off the subset
-                tokens[a, i] = self.vocab[picked]
-                q[a[:, None], i, self.vocab[None, :]] = probs
+            picked = logits[:, 0].argmax(-1)                                      # (A,)
+            if q is not None:
+                probs = warp_probs(logits, temp[a], top_k[a], top_p[a])[:, 0]    # (A, V or N)
+                greedy_rows = torch.tensor([greedy[j] for j in active])
+                picked = torch.where(greedy_rows, picked, sample_from(probs, [gens[j] for j in active]))
+                if self.vocab is None:
+                    q[a, i] = probs
+                else:                          # q is zero off the subset
+                    q[a[:, None], i, self.vocab[None, :]] = probs
+            tokens[a, i] = picked if self.vocab is None else self.vocab[picked]    # subset indices -> token ids
             chunks = [[int(tokens[j, i])] if ks[j] > i else [] for j in range(b)]
         # The last proposal was never fed: the draft's cache now covers tokens + x̃_0 … x̃_{k-2}.
         self.written = {s.slot: self.runner.length(s.slot) for s in seqs}

@@ -78,18 +78,22 @@ class HybridProposer(Proposer):
         from_draft = self.draft.propose(seqs, draft_ks)
         k_max = max([len(f) for f in found] + [from_draft.tokens.shape[1]])
         tokens = torch.zeros(b, k_max, dtype=torch.long)
-        q = torch.zeros(b, k_max, self.target_vocab)
+        # Probabilities only when the fallback sampled some of its rows; else every row is a point mass
+        # or greedy (None: (B, K, V) floats per round are not free when lookups run 64 tokens long).
+        q = torch.zeros(b, k_max, self.target_vocab) if from_draft.q is not None else None
         num = torch.zeros(b, dtype=torch.long)
         kd = from_draft.tokens.shape[1]
         for i, src in enumerate(sources):
             if src != self.fallback:
                 n = len(found[i])
                 tokens[i, :n] = torch.tensor(found[i], dtype=torch.long)
-                q[i, torch.arange(n), tokens[i, :n]] = 1.0          # point mass
+                if q is not None:
+                    q[i, torch.arange(n), tokens[i, :n]] = 1.0      # point mass
                 num[i] = n
             elif draft_ks[i]:
                 tokens[i, :kd] = from_draft.tokens[i]
-                q[i, :kd] = from_draft.q[i]
+                if q is not None:
+                    q[i, :kd] = from_draft.q[i]
                 num[i] = from_draft.num_draft[i]
         branches = [self.lookups.branches(s, len(f)) if src != self.fallback and f else []
                     for s, f, src in zip(seqs, found, sources)]           # lookup rows only: point masses

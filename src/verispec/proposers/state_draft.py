@@ -31,12 +31,14 @@ class StateDrafter(Proposer):
         ks = [min(k, self.depth) if self.has_state(s) else 0 for s, k in zip(seqs, ks)]
         k_max = max(ks, default=0)
         tokens = torch.zeros(len(seqs), k_max, dtype=torch.long)
-        q = torch.zeros(len(seqs), k_max, self.vocab_size)
+        sampling = any(k and not s.params.greedy for s, k in zip(seqs, ks))
+        q = torch.zeros(len(seqs), k_max, self.vocab_size) if sampling else None     # None: point masses
         if k_max:
             self.draft(seqs, ks, [j for j in range(len(seqs)) if ks[j]], tokens, q)
         return Proposal(tokens, torch.tensor(ks), q, steps={self.name: (k_max, time.perf_counter() - t0)})
 
     @abstractmethod
-    def draft(self, seqs, ks: list[int], active: list[int], tokens: torch.Tensor, q: torch.Tensor) -> None:
+    def draft(self, seqs, ks: list[int], active: list[int], tokens: torch.Tensor, q: torch.Tensor | None) -> None:
         """Fill tokens[j, :ks[j]] (B, K) for each active row j, and q[j, :ks[j]] (B, K, V) — the warped
-        distribution each draft was sampled from — for its sampled rows (greedy rows leave q unused)."""
+        distribution each draft was sampled from — for its sampled rows (greedy rows leave q unused; q is
+        None when every row is greedy)."""

@@ -31,7 +31,7 @@ import torch
 class AcceptanceResult:
     num_accepted: torch.Tensor   # (B,) accepted drafts per row, 0 … num_draft[b]
     tokens: torch.Tensor         # (B, K+1) emitted tokens: first num_accepted+1 are valid, rest -1
-    overlap: torch.Tensor | None  # (B, K) Σ_x min(p_i, q_i) per drafted position (0 past num_draft); None for greedy
+    overlap: torch.Tensor | None  # (B, K) Σ_x min(p_i, q_i) per drafted position, 0 past num_draft (greedy: 1 or 0)
 
     @property
     def num_emitted(self) -> torch.Tensor:
@@ -59,7 +59,8 @@ def accept_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     n = _leading_true(match)                                                     # (B,)
     # Accepted drafts equal argmax, so the emitted block is argmax[0 … n].
     keep = torch.arange(k + 1)[None, :] <= n[:, None]
-    return AcceptanceResult(n, torch.where(keep, best, torch.full_like(best, -1)), None)
+    # Greedy p and q are point masses at their argmax: overlap = 1 where they agree.
+    return AcceptanceResult(n, torch.where(keep, best, torch.full_like(best, -1)), match.float())
 
 
 def accept_sampling(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor | None,
