@@ -193,16 +193,22 @@ def costs_section(profile: dict | None) -> list[str]:
             f"{machine_line(profile.get('environment', {}))}.", ""]
     ns = [n for n in (1, 2, 3, 4, 5, 6, 8, 9, 12, 16) if n in c_p]
     out += ["A 1-token pass is bound by reading the weights from memory; a wider pass by integer multiply "
-            "throughput (one `vpdpwssd` — 32 multiply-adds — per 16 columns, 2 k and row on AVX-512 VNNI; one "
-            "`vpmaddwd` — 16 — per 8 columns on AVX2), so c_p(n) grows with n once the multiplies outlast the "
-            "memory reads. Passes of more than 6 rows take a second sweep over each weight tile. `--k auto` "
-            "prices rounds with these costs (calibrated once per machine, then learned on the fly).", ""]
+            "throughput (the int4 and int6 layers: one `vpdpbusd` — 64 multiply-adds of 4-bit weights and 8-bit "
+            "activations — per 16 columns, 4 k and row on AVX-512 VNNI; `vpmaddubsw` + `vpmaddwd` on AVX2), so "
+            "c_p(n) grows with n once the multiplies outlast the memory reads. Passes of more than 6 rows take a "
+            "second sweep over each weight tile. `--k auto` prices rounds with these costs (calibrated once per "
+            "machine, then learned on the fly).", ""]
     out += table(["n"] + [str(n) for n in ns],
                  [["c_p(n) ms"] + [f(c_p[n] * 1e3, "%.0f") for n in ns],
                   ["c_p(n) / c_p(1)"] + [f(c_p[n] / base) for n in ns]])
     cq = profile["c_q"]
-    out += ["", f"Proposer cost per drafted token: draft model {cq['draft'] * 1e3:.0f} ms "
-            f"({cq['draft'] / base:.2f} × c_p(1)); prompt lookup {cq['ngram'] * 1e3:.2f} ms.", ""]
+    cost = lambda name, label: (f"{label} {cq[name] * 1e3:.1f} ms ({cq[name] / base:.2f} × c_p(1))"
+                                if name in cq else None)
+    truncated = next((name for name in cq if name.startswith("draft/")), None)
+    parts = [cost("draft", "draft model, whole vocabulary"),
+             truncated and cost(truncated, f"over its {truncated.split('/')[1]} commonest tokens (the default)"),
+             cost("head", "the shipped heads"), f"prompt lookup {cq['ngram'] * 1e3:.2f} ms"]
+    out += ["", "Proposer cost per drafted token: " + "; ".join(p for p in parts if p) + ".", ""]
     return out
 
 
