@@ -95,8 +95,7 @@ def suite_section(bench: dict | None) -> list[str]:
             f"Report with every column: [bench-suite.md](results/bench-suite.md).", "",
             "`hybrid+head` drafts with the EAGLE-style head that ships with the package (its own runs: "
             "[bench-eagle.md](results/bench-eagle.md), [HEADS.md](HEADS.md)); `draft` and `hybrid` with the "
-            "0.5B in its default format (int4-all) and vocabulary (32,768 tokens). This run predates the "
-            "int6 Q6_K linears (a target pass ~6 % faster since, [PERFORMANCE_LOG.md](PERFORMANCE_LOG.md)).", "",
+            "0.5B in its default format (int4-all) and vocabulary (32,768 tokens).", "",
             f"Speedup = median over the {repeats(bench)} repeat(s) of tokens/s ÷ plain tokens/s on the same prompts "
             "in the same repeat (modes interleaved prompt by prompt, prefill included); decode = the same ratio "
             "over the decode phase alone, as llama.cpp reports its eval speed (the tokens after the first round "
