@@ -110,8 +110,9 @@ def quality(name: str) -> dict:
 
 def kv_formats(name: str, rounds: int = 5) -> dict:
     """The default weights with each KV cache format: quality against the float32 cache (the same
-    150-token text, one prefill pass), decode speed after a long prompt (alternated, like
-    decode_speeds) and positions per GiB of cache."""
+    150-token text, in passes as long as the engine's exact prefill passes, so that the native pass and
+    its attention score it as they score a decode step), decode speed after a long prompt (alternated,
+    like decode_speeds) and positions per GiB of cache."""
     from verispec import LLM, SamplingParams
     from verispec.engine.loading import load_model
     from verispec.models import KVCache
@@ -123,8 +124,15 @@ def kv_formats(name: str, rounds: int = 5) -> dict:
     pos = torch.arange(t)[None]
 
     def logits(kv_dtype):
-        cache = KVCache.for_model(loaded.model.config, 1, t, torch.float32, kv_dtype=kv_dtype)
-        return torch.log_softmax(loaded.model.logits(loaded.model(ids, pos, cache.view([0], pos)), pos)[0].float(), -1)
+        model = loaded.model
+        cache = KVCache.for_model(model.config, 1, t, torch.float32, kv_dtype=kv_dtype)
+        step = model.exact_pass_rows(cache.store) or t
+        out = []
+        for s in range(0, t, step):
+            p = pos[:, s:s + step]
+            out.append(model.logits(model(ids[:, s:s + step], p, cache.view([0], p)), p - s)[0].float())
+            cache.set_length(0, s + p.shape[1])
+        return torch.log_softmax(torch.cat(out), -1)
 
     base = logits(None)
     llms = {kv: LLM(loaded, proposer="none", kv_dtype=kv) for kv in ("float32", "int8", "bfloat16")}

@@ -1,7 +1,8 @@
 """KV cache formats (`kv_dtype`): int8 with one scale per position and head, bfloat16. The native pass
-reads and writes int8 blocks in place like the torch layers; rows stay independent of the pass they
-share, so greedy speculation still equals plain decoding; int8 costs little against the float cache
-(and a deliberately mis-scaled int8 cache is caught by that comparison); capacity per MiB is ≥ 3.5x."""
+reads and writes int8 and bfloat16 blocks in place like the torch layers; rows stay independent of the
+pass they share, so greedy speculation still equals plain decoding; int8 and bfloat16 cost little against
+the float cache (and a deliberately mis-scaled int8 cache, or bf16 values paired with the wrong weights,
+are caught by that comparison); capacity per MiB is ≥ 3.5x (int8) and 2x (bfloat16)."""
 
 from __future__ import annotations
 
@@ -33,16 +34,22 @@ HEADS = {"head 32, one scale group": dict(arch="llama", hidden_size=96, num_head
                                              head_dim=128, intermediate_size=160)}
 
 
-@native_only
-@pytest.mark.parametrize("head", list(HEADS))
-@pytest.mark.parametrize("kind", ["static", "paged"])
-def test_native_pass_reads_and_writes_int8_caches_like_the_torch_layers(kind, head):
-    model = int8_model(**HEADS[head])
+def make_cache(model, kind: str, kv: torch.dtype):
+    """(a cache factory, two slots): static, or paged in blocks of 4 or 5 positions (bf16 attention pairs
+    positions from each block's start)."""
     if kind == "static":
-        make, slots = (lambda: KVCache.for_model(model.config, 3, 128, torch.float32, kv_dtype=torch.int8)), [0, 2]
-    else:
-        tables = {7: list(range(1, 20)), 8: list(range(40, 20, -1))}
-        make, slots = (lambda: PagedKVCache(model.config, 48, 4, tables, torch.float32, kv_dtype=torch.int8)), [7, 8]
+        return (lambda: KVCache.for_model(model.config, 3, 128, torch.float32, kv_dtype=kv)), [0, 2]
+    tables, block = {7: list(range(1, 21)), 8: list(range(42, 21, -1))}, 4 if kind == "paged" else 5
+    return (lambda: PagedKVCache(model.config, 48, block, tables, torch.float32, kv_dtype=kv)), [7, 8]
+
+
+@native_only
+@pytest.mark.parametrize("kv", [torch.int8, torch.bfloat16])
+@pytest.mark.parametrize("head", list(HEADS))
+@pytest.mark.parametrize("kind", ["static", "paged", "paged, odd blocks"])
+def test_native_pass_reads_and_writes_quantized_caches_like_the_torch_layers(kind, head, kv):
+    model = int8_model(**HEADS[head])
+    make, slots = make_cache(model, kind, kv)
     caches = {n: make() for n in (True, False)}
     assert caches[True].view(slots, torch.zeros(2, 1, dtype=torch.long)).layout() is not None   # read natively
     prompts = [list(range(1, 70)), list(range(10, 76))]                        # torch prefill (> 65 tokens)
@@ -50,41 +57,48 @@ def test_native_pass_reads_and_writes_int8_caches_like_the_torch_layers(kind, he
         for s, p in zip(slots, prompts):
             run(model, cache, [s], [p], native)
             advance(cache, [s], [p])
+    # The native pass's bf16 dot products (AVX512_BF16) round the query and the softmax weights to bf16,
+    # where the torch layers multiply in float32: a few per cent apart on this model (measured 2 %).
+    dot_bf16 = kv == torch.bfloat16 and kernels.active_variant() == "avx512bf16"
     for chunks in ([[5], [7]], [[1, 2, 3], [9, 8, 7]]):
         out = {n: run(model, c, slots, chunks, n) for n, c in caches.items()}
-        assert (out[True] - out[False]).norm() < 1e-2 * out[False].norm()
+        assert (out[True] - out[False]).norm() < (4e-2 if dot_bf16 else 1e-2) * out[False].norm()
         for c in caches.values():
             advance(c, slots, chunks)
-    assert caches[True].k.dtype == torch.int8
+    assert caches[True].k.dtype == kv
     written = (caches[True].k != 0).sum().item()
     assert written > 0 and abs(written - (caches[False].k != 0).sum().item()) < 0.01 * written
-    assert (caches[True].store.ks - caches[False].store.ks).abs().max() < 1e-2 * caches[False].store.ks.abs().max()
+    if kv == torch.int8:
+        assert (caches[True].store.ks - caches[False].store.ks).abs().max() < 1e-2 * caches[False].store.ks.abs().max()
 
 
 @native_only
-def test_int8_cache_rows_do_not_depend_on_the_pass_they_share():
-    """A 5-token pass equals five 1-token passes bit for bit on an int8 cache (native pass)."""
+@pytest.mark.parametrize("kv", [torch.int8, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["static", "paged, odd blocks"])
+def test_quantized_cache_rows_do_not_depend_on_the_pass_they_share(kind, kv):
+    """A 5-token pass equals five 1-token passes bit for bit on an int8 or bf16 cache (native pass)."""
     model = int8_model(**HEADS["head 128, four scale groups"])
     prompt, more = list(range(1, 20)), [4, 8, 15, 16, 23]
     rows = {}
     for name in ("together", "one by one"):
-        cache = KVCache.for_model(model.config, 1, 64, torch.float32, kv_dtype=torch.int8)
-        run(model, cache, [0], [prompt], True)
-        advance(cache, [0], [prompt])
+        cache = make_cache(model, kind, kv)[0]()
+        slot = 0 if kind == "static" else 7
+        run(model, cache, [slot], [prompt], True)
+        advance(cache, [slot], [prompt])
         if name == "together":
-            rows[name] = run(model, cache, [0], [more], True)[0]
+            rows[name] = run(model, cache, [slot], [more], True)[0]
         else:
             outs = []
             for t in more:
-                outs.append(run(model, cache, [0], [[t]], True)[0, 0])
-                advance(cache, [0], [[t]])
+                outs.append(run(model, cache, [slot], [[t]], True)[0, 0])
+                advance(cache, [slot], [[t]])
             rows[name] = torch.stack(outs)
     assert torch.equal(rows["together"], rows["one by one"])
 
 
-@pytest.mark.parametrize("fmt,kv", [("int8", "int8"), ("float32", "int8"), ("float32", "bfloat16")])
+@pytest.mark.parametrize("fmt,kv", [("int8", "int8"), ("int8", "bfloat16"), ("float32", "int8"), ("float32", "bfloat16")])
 def test_greedy_speculation_equals_plain_on_every_kv_format(fmt, kv):
-    """int8 weights run the native pass (int8 keys read in place); float32 weights the torch layers."""
+    """int8 weights run the native pass (int8 and bf16 keys read in place); float32 weights the torch layers."""
     make = int8_model if fmt == "int8" else (lambda seed, **kw: tiny_model(seed, **kw))
     target, draft = make(0), make(1, num_layers=1)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -121,6 +135,20 @@ def test_int8_cache_stays_close_to_the_float_cache_and_a_mis_scaled_one_does_not
     monkeypatch.setattr(kv_cache, "kv_quantize", lambda x: (lambda q, s: (q, s * 0.9))(*real(x)))   # scales 10 % off
     top1, kl = agreement_and_kl()
     assert top1 < 0.95 or kl > 5e-3                                           # measured: 0.80, 0.026
+
+
+@native_only
+def test_native_bf16_cache_stays_close_to_the_float_cache():
+    """The native pass on a bf16 cache (with bf16 dot products where the CPU has them) against the same
+    model on a float32 cache: closer than the int8 cache (measured on this model: top-1 0.95–0.98 and KL
+    0.0012 with bf16 dot products, 0.97 and 0.0005–0.0009 widened to float32; int8 0.92 and 0.007)."""
+    model = int8_model(**HEADS["head 128, four scale groups"])
+    ids = [(7 * i + 3) % 96 for i in range(60)]
+    ref = torch.log_softmax(logits_over(model, ids, None), -1)
+    got = torch.log_softmax(logits_over(model, ids, torch.bfloat16), -1)
+    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
+    assert top1 >= 0.93 and kl < 3e-3
 
 
 def test_int8_cache_holds_over_three_and_a_half_times_the_sequences_per_mib():

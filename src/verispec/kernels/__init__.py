@@ -6,13 +6,15 @@ rounded to 8 bits per group of 32; integer dot products), `attention.c` the row-
 attention of decode and verify passes (reading a static or paged cache in place), `decoder.c` a whole
 decoder pass of an int8 model in one call (see each file's header). The sources are built into one
 shared library per
-instruction-set variant (`VARIANTS`, best first): `avx512vnni` (AVX-512 F/BW/VL/DQ + VNNI: the int8
+instruction-set variant (`VARIANTS`, best first): `avx512bf16` (the next one plus AVX512_BF16: attention
+over a bfloat16 cache multiplies with `vdpbf16ps`), `avx512vnni` (AVX-512 F/BW/VL/DQ + VNNI: the int8
 matmul on 512-bit vectors with `vpdpwssd`) and `avx2` (AVX2 + FMA). At first use the best variant this
 CPU supports is built into `$VERISPEC_CACHE/kernels/` (about a second with gcc; the file name hashes
 the source, the compiler and the variant's flags) and opened with ctypes; `VERISPEC_KERNEL_ISA=avx2`
 picks a lower one. The matmuls give the same bits in every variant (exact integer sums, the same fp32
-steps in the same order; tested); attention sums in 16 lanes on AVX-512 and 8 on AVX2, so whole
-passes agree to float rounding across variants — and bit for bit across row counts within one. The OpenMP pool is the one torch already loaded (same `libgomp.so.1`), so
+steps in the same order; tested); attention sums in 16 lanes on AVX-512 and 8 on AVX2 (and, over a
+bf16 cache on `avx512bf16`, rounds the query and the softmax weights to bf16), so whole passes agree to
+float rounding across variants — and bit for bit across row counts within one. The OpenMP pool is the one torch already loaded (same `libgomp.so.1`), so
 the two never fight for cores. Without a compiler, without AVX2/FMA, or with VERISPEC_KERNELS=off,
 `available()` is False and callers use torch's own kernels. `kernel_status()` says which and why;
 `machine()` names the CPU and its vector extensions for results files.
@@ -41,7 +43,7 @@ from verispec.kernels.packing import (BLOCK, int6_rows, pack_int4, pack_int6, pa
 HERE = Path(__file__).parent
 SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "gemm6.c", HERE / "attention.c", HERE / "decoder.c"]
 HEADER = HERE / "kernels.h"
-ABI = 17
+ABI = 18
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _status = "not loaded"
 
@@ -54,6 +56,9 @@ class Variant:
 
 
 VARIANTS = (
+    Variant("avx512bf16", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                           "-mavx512vnni", "-mavx512bf16"),
+            ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")),
     Variant("avx512vnni", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                            "-mavx512vnni"),
             ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")),
@@ -124,10 +129,10 @@ class NativeKernels:
         lib.verispec_int4_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
         lib.verispec_int6_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
         lib.verispec_attend_rows.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_void_p] * 2
-                                             + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int])
+                                             + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
         lib.verispec_decoder.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
                                          + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4
-                                         + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 4 + [ctypes.c_int])
+                                         + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 4 + [ctypes.c_int] * 2)
         lib.verispec_int4_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_void_p]
         lib.verispec_rmsnorm_rows.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] * 4
                                               + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p])
@@ -350,7 +355,7 @@ def _attend_rows(lib, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  scale: float) -> torch.Tensor | None:
     b, h, t, d = q.shape
     hkv, s = keys.shape[1], keys.shape[2]
-    if (q.dtype != torch.float32 or keys.dtype != torch.float32 or values.dtype != torch.float32
+    if (q.dtype != torch.float32 or keys.dtype not in (torch.float32, torch.bfloat16) or values.dtype != keys.dtype
             or keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != d or h % hkv):
         return None
     q = q.transpose(1, 2).contiguous()                                       # (B, T, H, D)
@@ -361,7 +366,7 @@ def _attend_rows(lib, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     out = torch.empty(b, t, h, d, dtype=torch.float32)
     if lib.verispec_attend_rows(q.data_ptr(), keys.data_ptr(), values.data_ptr(), rows.data_ptr(), 1, s,
                                 keys.stride(0), keys.stride(1), positions.data_ptr(), out.data_ptr(), b, h, hkv, t, d,
-                                scale, torch.get_num_threads()):
+                                scale, int(keys.dtype == torch.bfloat16), torch.get_num_threads()):
         raise MemoryError("attend_rows: no memory for the scores")
     return out
 
@@ -378,5 +383,5 @@ def _decoder(lib, x: torch.Tensor, weights, dims: DecoderDims, cos: torch.Tensor
                             layout.ks.data_ptr() if layout.ks is not None else None,
                             layout.vs.data_ptr() if layout.vs is not None else None,
                             layout.sc_layer_stride, layout.sc_block_stride, layout.sc_head_stride, layout.group,
-                            torch.get_num_threads()):
+                            int(layout.k.dtype == torch.bfloat16), torch.get_num_threads()):
         raise MemoryError("decoder pass: no memory for its buffers")

@@ -28,6 +28,7 @@ typedef __m512 vec;
 #define vset1 _mm512_set1_ps
 #define vsum _mm512_reduce_add_ps
 #define vload8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define vloadbf(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #else
 #define VL 8
 typedef __m256 vec;
@@ -39,6 +40,7 @@ typedef __m256 vec;
 #define vset1 _mm256_set1_ps
 #define vsum hsum
 #define vload8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define vloadbf(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
 
 /* Keys and values are visited in tiles of at most KT positions inside one block when a work item has
@@ -56,10 +58,24 @@ static inline __attribute__((always_inline)) void score_keys_each(const float *c
     const float *kb = (const float *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
     const int8_t *kb8 = (const int8_t *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
     const float *ksb = kv->ks ? kv->ks + blk * kv->sc_blk_stride + kh * kv->sc_head_stride : NULL;
+    const uint16_t *kb16 = (const uint16_t *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
     for (long j = 0; j < n; j++) {
         vec acc[GMAX];
         for (int g = 0; g < G; g++) acc[g] = vzero();
         long d = 0;
+        if (kv->bf16) {
+            const uint16_t *k = kb16 + (j0 + j) * D;
+            for (; d + VL <= D; d += VL) {
+                vec kvec = vloadbf(k + d);
+                for (int g = 0; g < G; g++) acc[g] = vfma(vload(qr[g] + d), kvec, acc[g]);
+            }
+            for (int g = 0; g < G; g++) {
+                float v = vsum(acc[g]);
+                for (long dd = d; dd < D; dd++) v = fmaf(qr[g][dd], bf16_to_f32(k[dd]), v);
+                w[g * SP + s0 + j] = v * scale;
+            }
+            continue;
+        }
         if (ksb) {
             const int8_t *k = kb8 + (j0 + j) * D;
             const float *sc = ksb + (j0 + j) * (D / kv->sg);
@@ -130,7 +146,7 @@ static inline void store_keys(float *w, vec s, long cnt) {
    read head by head, each key row in D / VL pieces, a pattern the hardware prefetcher follows less
    well than one key row after another; so the next group is fetched ahead. */
 static inline void prefetch_keys(const kv_view *kv, long blk, long j0, long n, long kh, long D) {
-    long size = kv->ks ? 1 : (long)sizeof(float);
+    long size = kv->ks ? 1 : kv->bf16 ? 2 : (long)sizeof(float);
     const char *p = (const char *)kv->k + size * (blk * kv->blk_stride + kh * kv->head_stride + j0 * D);
     for (long off = 0; off < n * D * size; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
@@ -155,17 +171,76 @@ static inline __attribute__((always_inline)) void score_keys(const float *const 
     }
 }
 
+
+#if defined(__AVX512BF16__)
+/* bf16 keys where the CPU has AVX512_BF16: the query rounded to bf16 (`vcvtne2ps2bf16`, nearest, ties
+   to even) and `vdpbf16ps`, 32 products per instruction, dimensions d and d + 1 summed into lane d / 2.
+   A score is then the 16 lanes' sums over d in order, then reduce_keys' tree: the same operations for a
+   key whichever rows share the pass. Twice the multiply rate of float32 FMAs; the price is the query's
+   rounding to bf16 (the keys are bf16 already). Head sizes a multiple of 32. */
+static inline __attribute__((always_inline)) void score_keys_bf16(const uint16_t *const *qb, const int G,
+                                                                  const uint16_t *k, long cnt, const long D,
+                                                                  float scale, float *w, long SP, long s0) {
+    for (int g = 0; g < G; g++) {
+        __m512 acc[16];
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+        for (long d = 0; d < D; d += 32) {
+            __m512bh qv = (__m512bh)_mm512_loadu_si512(qb[g] + d);
+            for (int j = 0; j < 16; j++)
+                acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_loadu_si512(k + j * D + d));
+        }
+        store_keys(w + g * SP + s0, _mm512_mul_ps(reduce_keys(acc), _mm512_set1_ps(scale)), cnt);
+    }
+}
+
+static inline __attribute__((always_inline)) void score_tile_bf16(const float *const *qr, const int G,
+                                                                  const kv_view *kv, long blk, long j0, long n,
+                                                                  long s0, long kh, long D, float scale, float *w,
+                                                                  long SP) {
+    const uint16_t *kb = (const uint16_t *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
+    uint16_t qbuf[GMAX * 512], kbuf[16 * 512];
+    const uint16_t *qb[GMAX];
+    for (int g = 0; g < G; g++) {
+        for (long d = 0; d < D; d += 32)
+            _mm512_storeu_si512(qbuf + g * D + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr[g] + d + 16),
+                                                                               _mm512_loadu_ps(qr[g] + d)));
+        qb[g] = qbuf + g * D;
+    }
+    for (long j = 0; j < n; j += 16) {
+        long cnt = n - j < 16 ? n - j : 16;
+        const uint16_t *k = kb + (j0 + j) * D;
+        if (j + 16 < n) prefetch_keys(kv, blk, j0 + j + 16, n - j - 16 < 16 ? n - j - 16 : 16, kh, D);
+        if (cnt < 16) {                                   /* zero keys pad a short last group */
+            memset(kbuf, 0, sizeof(uint16_t) * 16 * D);
+            memcpy(kbuf, k, sizeof(uint16_t) * cnt * D);
+            k = kbuf;
+        }
+        if (D == 128)
+            score_keys_bf16(qb, G, k, cnt, 128, scale, w, SP, s0 + j);
+        else
+            score_keys_bf16(qb, G, k, cnt, D, scale, w, SP, s0 + j);
+    }
+}
+#endif
+
 /* G ≤ GMAX query vectors qr[g] (each D floats) against positions s0 … s0+n-1, which sit at offsets
    j0 … j0+n-1 of block blk: w[g·SP + s] = scale · q_g · k_s, VL keys at a time. A short last group
-   and int8 keys (dequantized, k8 · its group's scale, exactly as score_keys_each does) go through a
-   small buffer first, zero rows padding the group. */
+   and int8 or bf16 keys (dequantized, k8 · its group's scale, or widened, exactly as score_keys_each
+   does) go through a small buffer first, zero rows padding the group. */
 static inline __attribute__((always_inline)) void score_tile(const float *const *qr, const int G, const kv_view *kv,
                                                              long blk, long j0, long n, long s0, long kh, long D,
                                                              float scale, float *w, long SP) {
+#if defined(__AVX512BF16__)
+    if (kv->bf16 && D % 32 == 0 && D <= 512) {
+        score_tile_bf16(qr, G, kv, blk, j0, n, s0, kh, D, scale, w, SP);
+        return;
+    }
+#endif
     if (D % VL) {
         score_keys_each(qr, G, kv, blk, j0, n, s0, kh, D, scale, w, SP);
         return;
     }
+    const uint16_t *kb16 = (const uint16_t *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
     const float *kb = (const float *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
     const int8_t *kb8 = (const int8_t *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
     const float *ksb = kv->ks ? kv->ks + blk * kv->sc_blk_stride + kh * kv->sc_head_stride : NULL;
@@ -174,12 +249,14 @@ static inline __attribute__((always_inline)) void score_tile(const float *const 
         long cnt = n - j < VL ? n - j : VL;
         const float *k = kb + (j0 + j) * D;
         if (j + VL < n) prefetch_keys(kv, blk, j0 + j + VL, n - j - VL < VL ? n - j - VL : VL, kh, D);
-        if (ksb || cnt < VL) {
+        if (ksb || kv->bf16 || cnt < VL) {
             for (long r = 0; r < VL; r++)
                 for (long d = 0; d < D; d += VL) {
                     vec x = vzero();
                     if (r < cnt && ksb)
                         x = vmul(vload8(kb8 + (j0 + j + r) * D + d), vset1(ksb[(j0 + j + r) * (D / kv->sg) + d / kv->sg]));
+                    else if (r < cnt && kv->bf16)
+                        x = vloadbf(kb16 + (j0 + j + r) * D + d);
                     else if (r < cnt)
                         x = vload(k + r * D + d);
                     vstore(buf + r * D + d, x);
@@ -218,16 +295,74 @@ static float softmax_row(float *w, long p) {
     return 1.0f / hsum(sum);
 }
 
+
+#if defined(__AVX512BF16__)
+/* mix_tile for bf16 values where the CPU has AVX512_BF16: out_g[d] += w_s · v_s[d] + w_{s+1} · v_{s+1}[d]
+   for each pair of positions (s, s + 1) in ascending order, by `vdpbf16ps` on the weights rounded to
+   bf16 and the pair's values interleaved (an odd last position pairs with a zero weight and value).
+   Pairs count from the tile's first position in chunks of 32; tiles start at a block's first position
+   and run KT (even) positions or the whole block, so a row's pairs are the same whether its work item
+   tiles by KT or by block, and so is the order they are summed in. Head sizes a multiple of 32. */
+static inline __attribute__((always_inline)) void mix_tile_bf16(const float *w, long SP, const int G,
+                                                                const kv_view *kv, long blk, long j0, long n,
+                                                                long s0, long kh, long D, float *const *out) {
+    static const uint16_t interleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                            8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i idx = _mm512_loadu_si512(interleave);
+    const uint16_t *vb = (const uint16_t *)kv->v + blk * kv->blk_stride + kh * kv->head_stride + j0 * D;
+    uint32_t wp[GMAX][16];                                /* per head: 16 pairs of bf16 weights */
+    for (long c = 0; c < n; c += 32) {
+        long cn = n - c < 32 ? n - c : 32, np = (cn + 1) / 2;
+        __mmask16 lo = (__mmask16)(cn >= 16 ? 0xFFFF : (1u << cn) - 1);
+        __mmask16 hi = (__mmask16)(cn <= 16 ? 0 : cn >= 32 ? 0xFFFF : (1u << (cn - 16)) - 1);
+        for (int g = 0; g < G; g++) {
+            const float *ws = w + g * SP + s0 + c;
+            _mm512_storeu_si512(wp[g], (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, ws + 16),
+                                                                    _mm512_maskz_loadu_ps(lo, ws)));
+        }
+        for (long d = 0; d < D; d += 32) {
+            __m512 acc[GMAX][2];
+            for (int g = 0; g < G; g++) acc[g][0] = _mm512_loadu_ps(out[g] + d), acc[g][1] = _mm512_loadu_ps(out[g] + d + 16);
+            for (long m = 0; m < np; m++) {
+                const uint16_t *v = vb + (c + 2 * m) * D + d;
+                __m512i a0 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)v));
+                __m512i a1 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + 16)));
+                __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
+                if (2 * m + 1 < cn) {
+                    b0 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + D)));
+                    b1 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + D + 16)));
+                }
+                __m512bh p0 = (__m512bh)_mm512_permutex2var_epi16(a0, idx, b0);
+                __m512bh p1 = (__m512bh)_mm512_permutex2var_epi16(a1, idx, b1);
+                for (int g = 0; g < G; g++) {
+                    __m512bh wv = (__m512bh)_mm512_set1_epi32((int)wp[g][m]);
+                    acc[g][0] = _mm512_dpbf16_ps(acc[g][0], p0, wv);
+                    acc[g][1] = _mm512_dpbf16_ps(acc[g][1], p1, wv);
+                }
+            }
+            for (int g = 0; g < G; g++) _mm512_storeu_ps(out[g] + d, acc[g][0]), _mm512_storeu_ps(out[g] + d + 16, acc[g][1]);
+        }
+    }
+}
+#endif
+
 /* out_g[d] += Σ_{s0 ≤ s < s0+n} w[g·SP + s] · v_s[d] in ascending s, for positions s0 … s0+n-1 at
    offsets j0 … of block blk; the running sums live in out between tiles (a float stored and loaded is
    the same float, so this is the order and the result of one long sum). 2·VL dimensions at a time
-   for all G heads (int8 values dequantized a vector at a time, v8 · its group's scale). */
+   for all G heads (int8 values dequantized a vector at a time, v8 · its group's scale; bf16 widened). */
 static inline __attribute__((always_inline)) void mix_tile(const float *w, long SP, const int G, const kv_view *kv,
                                                            long blk, long j0, long n, long s0, long kh, long D,
                                                            float *const *out) {
     const float *vb = (const float *)kv->v + blk * kv->blk_stride + kh * kv->head_stride + j0 * D;
     const int8_t *vb8 = (const int8_t *)kv->v + blk * kv->blk_stride + kh * kv->head_stride + j0 * D;
     const float *vsb = kv->vs ? kv->vs + blk * kv->sc_blk_stride + kh * kv->sc_head_stride + j0 * (D / kv->sg) : NULL;
+    const uint16_t *vb16 = (const uint16_t *)kv->v + blk * kv->blk_stride + kh * kv->head_stride + j0 * D;
+#if defined(__AVX512BF16__)
+    if (kv->bf16 && D % 32 == 0) {
+        mix_tile_bf16(w, SP, G, kv, blk, j0, n, s0, kh, D, out);
+        return;
+    }
+#endif
     long d = 0;
     for (; d + 2 * VL <= D; d += 2 * VL) {
         vec acc[GMAX][2];
@@ -238,6 +373,8 @@ static inline __attribute__((always_inline)) void mix_tile(const float *w, long 
                 const float *sc = vsb + j * (D / kv->sg);
                 v0 = vmul(vload8(vb8 + j * D + d), vset1(sc[d / kv->sg]));
                 v1 = vmul(vload8(vb8 + j * D + d + VL), vset1(sc[(d + VL) / kv->sg]));
+            } else if (kv->bf16) {
+                v0 = vloadbf(vb16 + j * D + d), v1 = vloadbf(vb16 + j * D + d + VL);
             } else {
                 v0 = vload(vb + j * D + d), v1 = vload(vb + j * D + d + VL);
             }
@@ -253,7 +390,8 @@ static inline __attribute__((always_inline)) void mix_tile(const float *w, long 
         for (int g = 0; g < G; g++) {
             float acc = out[g][d];
             for (long j = 0; j < n; j++) {
-                float v = vsb ? (float)vb8[j * D + d] * vsb[j * (D / kv->sg) + d / kv->sg] : vb[j * D + d];
+                float v = vsb ? (float)vb8[j * D + d] * vsb[j * (D / kv->sg) + d / kv->sg]
+                          : kv->bf16 ? bf16_to_f32(vb16[j * D + d]) : vb[j * D + d];
                 acc = fmaf(w[g * SP + s0 + j], v, acc);
             }
             out[g][d] = acc;
@@ -346,17 +484,17 @@ void vs_attend_ws(const float *q, long q_rs, const kv_view *kv, const int64_t *p
     }
 }
 
-/* q (B, T, H, D) contiguous; keys/values and their addressing as in kv_view; returns 0, or -1 when
-   the scratch cannot be allocated. */
-int verispec_attend_rows(const float *q, const float *keys, const float *values, const int64_t *tables, long nb,
+/* q (B, T, H, D) contiguous; keys/values (float32, or bf16 when bf16 is set) and their addressing as in
+   kv_view; returns 0, or -1 when the scratch cannot be allocated. */
+int verispec_attend_rows(const float *q, const void *keys, const void *values, const int64_t *tables, long nb,
                          long bs, long blk_stride, long head_stride, const int64_t *pos, float *out, long B, long H,
-                         long Hkv, long T, long D, float scale, int threads) {
+                         long Hkv, long T, long D, float scale, int bf16, int threads) {
     long maxp = 0;
     for (long r = 0; r < B * T; r++) maxp = pos[r] > maxp ? pos[r] : maxp;
     long SP = spad(maxp + 1);
     float *scratch = malloc(sizeof(float) * att_scratch(T, SP) * threads);
     if (!scratch) return -1;
-    kv_view kv = {keys, values, NULL, NULL, tables, nb, bs, blk_stride, head_stride, 0, 0, D};
+    kv_view kv = {keys, values, NULL, NULL, tables, nb, bs, blk_stride, head_stride, 0, 0, D, bf16};
 #pragma omp parallel num_threads(threads)
     vs_attend_ws(q, H * D, &kv, pos, out, B, H, Hkv, T, D, scale, scratch, SP);
     free(scratch);

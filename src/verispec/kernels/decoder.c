@@ -16,8 +16,8 @@
  *
  * Layout: x (R, C) float32, updated in place (the residual stream); cos, sin (R, D); pos (R) int64;
  * the cache of layer l is kv_view's addressing over kstore/vstore + l · layer_stride (elements: float32,
- * or int8 with a scale per sg dimensions of each position and head in kscale/vscale + l · sc_layer_stride,
- * kernels.h).
+ * bf16 (bf16 set), or int8 with a scale per sg dimensions of each position and head in kscale/vscale
+ * + l · sc_layer_stride, kernels.h).
  */
 #include "kernels.h"
 
@@ -144,6 +144,9 @@ static void qkv_post_ws(float *qkv, const float *bias, const float *cos, const f
                 int8_t *store = (int8_t *)(is_k ? kv->k : kv->v);
                 float *scales = (float *)(is_k ? kv->ks : kv->vs);
                 kv_quantize(v, D, kv->sg, store + at, scales + sat);
+            } else if (kv->bf16) {
+                uint16_t *store = (uint16_t *)(is_k ? kv->k : kv->v) + at;
+                for (long d = 0; d < D; d++) store[d] = f32_to_bf16(v[d]);
             } else {
                 memcpy((float *)(is_k ? kv->k : kv->v) + at, v, sizeof(float) * D);
             }
@@ -156,8 +159,8 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
                      const int64_t *pos, long B, long T, void *kstore, void *vstore, long layer_stride,
                      const int64_t *tables, long nb, long bs, long blk_stride, long head_stride,
                      float *kscale, float *vscale, long sc_layer_stride, long sc_blk_stride, long sc_head_stride,
-                     long sg, int threads) {
-    size_t esize = kscale ? 1 : sizeof(float);                 /* int8 or float32 stores */
+                     long sg, int bf16, int threads) {
+    size_t esize = kscale ? 1 : bf16 ? 2 : sizeof(float);     /* int8, bf16 or float32 stores */
     long R = B * T, C = dm->C, H = dm->H, Hkv = dm->Hkv, D = dm->D, I = dm->I;
     long QW = (H + 2 * Hkv) * D, KMAX = kpad(C > H * D ? (C > I ? C : I) : (H * D > I ? H * D : I));
     long maxp = 0;
@@ -175,7 +178,8 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
         const layer_weights *w = lw + l;
         kv_view kv = {(char *)kstore + esize * l * layer_stride, (char *)vstore + esize * l * layer_stride,
                       kscale ? kscale + l * sc_layer_stride : NULL, vscale ? vscale + l * sc_layer_stride : NULL,
-                      tables, nb, bs, blk_stride, head_stride, sc_blk_stride, sc_head_stride, kscale ? sg : D};
+                      tables, nb, bs, blk_stride, head_stride, sc_blk_stride, sc_head_stride, kscale ? sg : D,
+                      bf16 && !kscale};
         rmsnorm_ws(x, w->ln1, xn, R, C, dm->eps);
         linear_ws(&w->qkv, xn, qx, sx, qkv, R, QW, C);
         qkv_post_ws(qkv, w->qkv_bias, cos, sin, pos, &kv, R, T, H, Hkv, D);

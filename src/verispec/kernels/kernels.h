@@ -13,7 +13,7 @@
 #include <omp.h>
 #endif
 
-#define ABI 17
+#define ABI 18
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -67,13 +67,30 @@ void vs_int6_gemm_ws(const int8_t *q8, const float *s8, const int32_t *qs, const
    one block per row (bs = its length); a paged cache reads its blocks in place. Stores are float32,
    or int8 when ks and vs are set: then element d of a position's key (value) vector is its int8 times
    ks (vs)[tables[…] · sc_blk_stride + h · sc_head_stride + (s % bs) · (D / sg) + d / sg], one scale
-   per sg dimensions (kv_quantize). */
+   per sg dimensions (kv_quantize). With bf16 set (and no scales) they are bfloat16: each element the top
+   16 bits of a float32 (f32_to_bf16). */
 typedef struct {
     const void *k, *v;
     const float *ks, *vs;
     const int64_t *tables;
     long nb, bs, blk_stride, head_stride, sc_blk_stride, sc_head_stride, sg;
+    int bf16;
 } kv_view;
+
+/* float32 -> bfloat16 bits, rounded to nearest with ties to even; a NaN becomes 0x7FC0 (torch's
+   conversion, so a cache written here and one written by torch hold the same bits). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 /* x (n floats) -> q (n int8) and n / sg scales: per group of sg, q = round(x · 127 / max|x|) (ties to
    even) and scale = max|x| / 127 (the torch side, models/kv_cache.py, does the same operations). */

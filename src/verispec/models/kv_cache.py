@@ -186,9 +186,10 @@ class CacheView:
 
 
 def in_place(store: KVStore) -> bool:
-    """Whether a native pass can read and write this store in place (float32 or int8 on the CPU)."""
+    """Whether a native pass can read and write this store in place (float32, bfloat16 or int8 on the CPU)."""
     k, v = store.k, store.v
-    return k.dtype in (torch.float32, torch.int8) and k.device.type == "cpu" and k.is_contiguous() and v.is_contiguous()
+    return (k.dtype in (torch.float32, torch.bfloat16, torch.int8) and k.device.type == "cpu" and k.is_contiguous()
+            and v.is_contiguous())
 
 
 def _layout(store: KVStore, tables: torch.Tensor, block: int):
