@@ -161,3 +161,12 @@ def test_int8_cache_holds_over_three_and_a_half_times_the_sequences_per_mib():
                   for kv in ("float32", "bfloat16", "int8")}
         assert blocks["int8"] >= 3.5 * blocks["float32"] and blocks["bfloat16"] >= 1.99 * blocks["float32"]
         assert llm.engine(kv_budget_mb=8).pool.usable == blocks["float32"]     # auto: the model's dtype
+
+
+def test_auto_stores_bf16_where_the_native_pass_reads_it():
+    """`auto`: bfloat16 for a model the native pass runs (int8 weights on the CPU with the kernels), the
+    model's own dtype for one the torch layers run (they would convert a bf16 cache at every layer)."""
+    assert LLM(tiny_model(0), proposer="none").kv_dtype is None
+    expected = torch.bfloat16 if kernels.available() else None
+    assert LLM(int8_model(0), proposer="none").kv_dtype == expected
+    assert LLM(int8_model(0), proposer="none", kv_dtype="float32").kv_dtype == torch.float32

@@ -76,9 +76,10 @@ def add_model_args(p) -> None:
                    help="the draft model's weights, as --dtype; auto (default) is int4-all on CPU (a draft's "
                         "weights change how often its guesses are accepted, never the output)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
-                   help="keys and values in the cache: auto (the model's dtype), float32, bfloat16 (half the "
-                        "memory; runs the torch layers), or int8 (one scale per position and head: ~3.8x the "
-                        "sequences per GiB of float32, read in place by the native pass)")
+                   help="keys and values in the cache: auto (bfloat16 where the native pass runs, else the "
+                        "model's dtype), float32, bfloat16 (half the memory), or int8 (one scale per position "
+                        "and head: ~3.6x the sequences per GiB of float32); the native pass reads all three in "
+                        "place")
     p.add_argument("--draft-vocab", type=parse_draft_vocab, default="auto", metavar="N",
                    help="let the draft model propose only the N most frequent tokens (its LM head reads N rows "
                         "instead of all; output unchanged: the target verifies over its whole vocabulary). "

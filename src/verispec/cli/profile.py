@@ -32,7 +32,7 @@ def run(args) -> int:
     from verispec.bench.run import machine_line
     from verispec.kernels import machine
     from verispec.loaders.builtin import DEFAULT_DRAFT
-    from verispec.engine.loading import draft_auto_dtype, load_model
+    from verispec.engine.loading import draft_auto_dtype, kv_auto_dtype, load_model
 
     if not 2 <= args.max_n <= 64 or args.context < 1 or args.repeats < 1:
         raise VerispecError("--max-n must be in 2 … 64, --context and --repeats positive")
@@ -44,7 +44,7 @@ def run(args) -> int:
                        progress=True)
     from verispec.models.kv_cache import KV_DTYPES
 
-    kv = None if args.kv_dtype == "auto" else KV_DTYPES[args.kv_dtype]
+    kv = kv_auto_dtype(target.model) if args.kv_dtype == "auto" else KV_DTYPES[args.kv_dtype]
     c_p = pass_costs(target.model, list(range(1, args.max_n + 1)), args.context, args.repeats,
                      on_round=lambda r, total: print(f"\rmeasuring c_p(1 … {args.max_n}): round {r}/{total}", end="",
                                                      file=sys.stderr, flush=True), kv_dtype=kv)

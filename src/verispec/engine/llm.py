@@ -19,7 +19,7 @@ from verispec.engine.scheduler import Entry
 from verispec.engine.sequence import Sequence
 from verispec.errors import InvalidRequest, VerispecError
 from verispec.loaders.builtin import DEFAULT_DRAFT, DEFAULT_TARGET
-from verispec.engine.loading import LoadedModel, draft_auto_dtype, load_model, parse_dtype
+from verispec.engine.loading import LoadedModel, draft_auto_dtype, kv_auto_dtype, load_model, parse_dtype
 from verispec.models import Transformer
 from verispec.models.kv_cache import KV_DTYPES
 from verispec.proposers import REGISTRY, Proposer
@@ -103,6 +103,8 @@ class LLM:
             raise VerispecError(f"branches must be 'auto' or an integer in 0 … {MAX_ALTERNATIVES}, got {branches!r}")
         self.branches = branches
         self.target: LoadedModel = _load(model, dtype, device, progress)
+        if kv_dtype == "auto":
+            self.kv_dtype = kv_auto_dtype(self.target.model)
         self.tokenizer = self.target.tokenizer
         default_heads = False
         if proposer is None:            # measured best on a 2-core CPU (docs/HEADS.md), with k="auto":

@@ -212,6 +212,10 @@ class Transformer(nn.Module):
             return None
         return ROW_EXACT_MAX_T
 
+    def runs_native(self) -> bool:
+        """Whether passes of up to ROW_EXACT_MAX_T tokens run the native decoder (kernels/decoder.c)."""
+        return self._native_decoder() is not None
+
     def _native_decoder(self) -> NativeDecoder | None:
         if not self.native_pass:
             return None
