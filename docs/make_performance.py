@@ -306,13 +306,17 @@ def formats_section(formats: dict | None) -> list[str]:
             + ", ".join(f"{fmt} {mb / 1024:.2f} GiB" for fmt, mb in rss.items()) + ".", ""]
     for name, kv in formats.get("kv_cache", {}).items():
         out += [f"KV cache formats (`--kv-dtype`, `python docs/measure_formats.py --kv-only`), {name} with its "
-                f"default weights: quality against the float32 cache on the same text; plain decode after a "
+                f"default weights: quality against the float32 cache on the same text (scored in the engine's "
+                f"exact prefill passes, so by the native pass as decode steps are); plain decode after a "
                 f"{kv['prompt_tokens']}-token prompt, median of 5 alternated runs; positions one GiB of cache holds.", ""]
         out += table(["KV format", "top-1 vs float32 cache", "KL", "decode tok/s", "runs", "positions / GiB"],
                      [[fmt, f(e["top1_agreement"], "%.4g"), f(e["mean_kl"], "%.4f"), f(e["tok_s"]),
                        ", ".join(str(x) for x in e["tok_s_runs"]), f"{e['positions_per_gib']:,}"]
                       for fmt, e in kv.items() if isinstance(e, dict)])
-        out += ["", "bfloat16 keys and values run the torch layers (the native pass reads float32 and int8 caches).", ""]
+        out += ["", "The native pass reads and writes all three in place. Over a bfloat16 cache, the `avx512bf16` "
+                "kernels (this machine's) multiply with `vdpbf16ps`, the query and the softmax weights rounded to "
+                "bf16; other CPUs widen the stored values to float32. `auto` is bfloat16 wherever the native "
+                "pass runs.", ""]
     return out
 
 
