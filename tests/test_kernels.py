@@ -549,6 +549,15 @@ def test_the_best_supported_variant_is_active_and_named():
     assert "avx2" in info["cpu_flags"] and info["kernel"] == f"active ({info['kernel_variant']})"
 
 
+def test_every_supported_variant_builds_where_there_is_a_compiler():
+    """The `native` fixture skips a variant the CPU lacks; a variant that fails to compile must fail here
+    instead of skipping every kernel test with it."""
+    if kernels._compiler() is None:
+        pytest.skip("no C compiler")
+    for name in kernels.supported_variants():
+        assert kernels.load_variant(name).variant == name
+
+
 def test_an_unknown_or_unsupported_variant_says_why():
     with pytest.raises(RuntimeError, match="unknown kernel variant"):
         kernels.load_variant("sse9")

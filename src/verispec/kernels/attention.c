@@ -49,55 +49,60 @@ typedef __m256 vec;
    row sees its own positions in ascending order either way, so the tiling never changes a bit. */
 #define KT 32
 
+/* One KV head's rows in one block of the key (or value) store, in the store's format (kv_view): row j,
+   dimension d at element j · D + d of base; int8 rows scaled per sg dimensions by sc. */
+typedef struct {
+    const char *base;
+    const float *sc;
+    long D, sg;
+    int bf16;
+} kv_rows;
+
+static inline kv_rows kv_rows_at(const kv_view *kv, const void *store, const float *scales, long blk, long kh,
+                                 long D) {
+    long size = scales ? 1 : kv->bf16 ? 2 : (long)sizeof(float);
+    kv_rows r = {(const char *)store + size * (blk * kv->blk_stride + kh * kv->head_stride),
+                 scales ? scales + blk * kv->sc_blk_stride + kh * kv->sc_head_stride : NULL, D, kv->sg,
+                 kv->bf16 && !scales};
+    return r;
+}
+
+enum { ROWS_F32, ROWS_INT8, ROWS_BF16 };
+static inline int rows_format(const kv_rows *r) { return r->sc ? ROWS_INT8 : r->bf16 ? ROWS_BF16 : ROWS_F32; }
+
+/* Dimensions d … d+VL-1 of row j as float32: stored floats, int8 · its group's scale, or bf16 widened
+   (fmt = rows_format(r); a hot loop passes it as a constant, so each format gets its own loop). */
+static inline __attribute__((always_inline)) vec row_vec(const kv_rows *r, long j, long d, const int fmt) {
+    if (fmt == ROWS_INT8)
+        return vmul(vload8((const int8_t *)r->base + j * r->D + d), vset1(r->sc[j * (r->D / r->sg) + d / r->sg]));
+    if (fmt == ROWS_BF16) return vloadbf((const uint16_t *)r->base + j * r->D + d);
+    return vload((const float *)r->base + j * r->D + d);
+}
+
+static inline float row_at(const kv_rows *r, long j, long d) {
+    if (r->sc) return (float)((const int8_t *)r->base)[j * r->D + d] * r->sc[j * (r->D / r->sg) + d / r->sg];
+    if (r->bf16) return bf16_to_f32(((const uint16_t *)r->base)[j * r->D + d]);
+    return ((const float *)r->base)[j * r->D + d];
+}
+
 /* G ≤ GMAX query vectors qr[g] (each D floats) against positions s0 … s0+n-1, which sit at offsets
-   j0 … j0+n-1 of block blk, one key at a time (head sizes that are not a multiple of VL): w[g·SP + s] = scale · q_g · k_s (int8 keys: k_s dequantized a vector at a
-   time, k8 · its group's scale). */
+   j0 … j0+n-1 of block blk, one key at a time (head sizes that are not a multiple of VL): w[g·SP + s] =
+   scale · q_g · k_s, with k_s as row_vec reads it. */
 static inline __attribute__((always_inline)) void score_keys_each(const float *const *qr, const int G, const kv_view *kv,
                                                              long blk, long j0, long n, long s0, long kh, long D,
                                                              float scale, float *w, long SP) {
-    const float *kb = (const float *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
-    const int8_t *kb8 = (const int8_t *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
-    const float *ksb = kv->ks ? kv->ks + blk * kv->sc_blk_stride + kh * kv->sc_head_stride : NULL;
-    const uint16_t *kb16 = (const uint16_t *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
+    kv_rows kr = kv_rows_at(kv, kv->k, kv->ks, blk, kh, D);
     for (long j = 0; j < n; j++) {
         vec acc[GMAX];
         for (int g = 0; g < G; g++) acc[g] = vzero();
         long d = 0;
-        if (kv->bf16) {
-            const uint16_t *k = kb16 + (j0 + j) * D;
-            for (; d + VL <= D; d += VL) {
-                vec kvec = vloadbf(k + d);
-                for (int g = 0; g < G; g++) acc[g] = vfma(vload(qr[g] + d), kvec, acc[g]);
-            }
-            for (int g = 0; g < G; g++) {
-                float v = vsum(acc[g]);
-                for (long dd = d; dd < D; dd++) v = fmaf(qr[g][dd], bf16_to_f32(k[dd]), v);
-                w[g * SP + s0 + j] = v * scale;
-            }
-            continue;
-        }
-        if (ksb) {
-            const int8_t *k = kb8 + (j0 + j) * D;
-            const float *sc = ksb + (j0 + j) * (D / kv->sg);
-            for (; d + VL <= D; d += VL) {
-                vec kvec = vmul(vload8(k + d), vset1(sc[d / kv->sg]));
-                for (int g = 0; g < G; g++) acc[g] = vfma(vload(qr[g] + d), kvec, acc[g]);
-            }
-            for (int g = 0; g < G; g++) {
-                float v = vsum(acc[g]);
-                for (long dd = d; dd < D; dd++) v = fmaf(qr[g][dd], (float)k[dd] * sc[dd / kv->sg], v);
-                w[g * SP + s0 + j] = v * scale;
-            }
-            continue;
-        }
-        const float *k = kb + (j0 + j) * D;
         for (; d + VL <= D; d += VL) {
-            vec kvec = vload(k + d);
+            vec kvec = row_vec(&kr, j0 + j, d, rows_format(&kr));
             for (int g = 0; g < G; g++) acc[g] = vfma(vload(qr[g] + d), kvec, acc[g]);
         }
         for (int g = 0; g < G; g++) {
             float v = vsum(acc[g]);
-            for (long dd = d; dd < D; dd++) v = fmaf(qr[g][dd], k[dd], v);
+            for (long dd = d; dd < D; dd++) v = fmaf(qr[g][dd], row_at(&kr, j0 + j, dd), v);
             w[g * SP + s0 + j] = v * scale;
         }
     }
@@ -197,7 +202,7 @@ static inline __attribute__((always_inline)) void score_tile_bf16(const float *c
                                                                   const kv_view *kv, long blk, long j0, long n,
                                                                   long s0, long kh, long D, float scale, float *w,
                                                                   long SP) {
-    const uint16_t *kb = (const uint16_t *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
+    const uint16_t *kb = (const uint16_t *)kv_rows_at(kv, kv->k, NULL, blk, kh, D).base;
     uint16_t qbuf[GMAX * 512], kbuf[16 * 512];
     const uint16_t *qb[GMAX];
     for (int g = 0; g < G; g++) {
@@ -240,27 +245,17 @@ static inline __attribute__((always_inline)) void score_tile(const float *const 
         score_keys_each(qr, G, kv, blk, j0, n, s0, kh, D, scale, w, SP);
         return;
     }
-    const uint16_t *kb16 = (const uint16_t *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
-    const float *kb = (const float *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
-    const int8_t *kb8 = (const int8_t *)kv->k + blk * kv->blk_stride + kh * kv->head_stride;
-    const float *ksb = kv->ks ? kv->ks + blk * kv->sc_blk_stride + kh * kv->sc_head_stride : NULL;
+    kv_rows kr = kv_rows_at(kv, kv->k, kv->ks, blk, kh, D);
+    const float *kb = (const float *)kr.base;
     float buf[VL * D];
     for (long j = 0; j < n; j += VL) {
         long cnt = n - j < VL ? n - j : VL;
         const float *k = kb + (j0 + j) * D;
         if (j + VL < n) prefetch_keys(kv, blk, j0 + j + VL, n - j - VL < VL ? n - j - VL : VL, kh, D);
-        if (ksb || kv->bf16 || cnt < VL) {
+        if (kr.sc || kr.bf16 || cnt < VL) {
             for (long r = 0; r < VL; r++)
-                for (long d = 0; d < D; d += VL) {
-                    vec x = vzero();
-                    if (r < cnt && ksb)
-                        x = vmul(vload8(kb8 + (j0 + j + r) * D + d), vset1(ksb[(j0 + j + r) * (D / kv->sg) + d / kv->sg]));
-                    else if (r < cnt && kv->bf16)
-                        x = vloadbf(kb16 + (j0 + j + r) * D + d);
-                    else if (r < cnt)
-                        x = vload(k + r * D + d);
-                    vstore(buf + r * D + d, x);
-                }
+                for (long d = 0; d < D; d += VL)
+                    vstore(buf + r * D + d, r < cnt ? row_vec(&kr, j0 + j + r, d, rows_format(&kr)) : vzero());
             k = buf;
         }
         if (D == 128)
@@ -309,7 +304,7 @@ static inline __attribute__((always_inline)) void mix_tile_bf16(const float *w, 
     static const uint16_t interleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                             8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     const __m512i idx = _mm512_loadu_si512(interleave);
-    const uint16_t *vb = (const uint16_t *)kv->v + blk * kv->blk_stride + kh * kv->head_stride + j0 * D;
+    const uint16_t *vb = (const uint16_t *)kv_rows_at(kv, kv->v, NULL, blk, kh, D).base + j0 * D;
     uint32_t wp[GMAX][16];                                /* per head: 16 pairs of bf16 weights */
     for (long c = 0; c < n; c += 32) {
         long cn = n - c < 32 ? n - c : 32, np = (cn + 1) / 2;
@@ -350,34 +345,15 @@ static inline __attribute__((always_inline)) void mix_tile_bf16(const float *w, 
    offsets j0 … of block blk; the running sums live in out between tiles (a float stored and loaded is
    the same float, so this is the order and the result of one long sum). 2·VL dimensions at a time
    for all G heads (int8 values dequantized a vector at a time, v8 · its group's scale; bf16 widened). */
-static inline __attribute__((always_inline)) void mix_tile(const float *w, long SP, const int G, const kv_view *kv,
-                                                           long blk, long j0, long n, long s0, long kh, long D,
-                                                           float *const *out) {
-    const float *vb = (const float *)kv->v + blk * kv->blk_stride + kh * kv->head_stride + j0 * D;
-    const int8_t *vb8 = (const int8_t *)kv->v + blk * kv->blk_stride + kh * kv->head_stride + j0 * D;
-    const float *vsb = kv->vs ? kv->vs + blk * kv->sc_blk_stride + kh * kv->sc_head_stride + j0 * (D / kv->sg) : NULL;
-    const uint16_t *vb16 = (const uint16_t *)kv->v + blk * kv->blk_stride + kh * kv->head_stride + j0 * D;
-#if defined(__AVX512BF16__)
-    if (kv->bf16 && D % 32 == 0) {
-        mix_tile_bf16(w, SP, G, kv, blk, j0, n, s0, kh, D, out);
-        return;
-    }
-#endif
+static inline __attribute__((always_inline)) void mix_rows(const float *w, long SP, const int G, const kv_rows *vr,
+                                                           long j0, long n, long s0, long D, float *const *out,
+                                                           const int fmt) {
     long d = 0;
     for (; d + 2 * VL <= D; d += 2 * VL) {
         vec acc[GMAX][2];
         for (int g = 0; g < G; g++) acc[g][0] = vload(out[g] + d), acc[g][1] = vload(out[g] + d + VL);
         for (long j = 0; j < n; j++) {
-            vec v0, v1;
-            if (vsb) {
-                const float *sc = vsb + j * (D / kv->sg);
-                v0 = vmul(vload8(vb8 + j * D + d), vset1(sc[d / kv->sg]));
-                v1 = vmul(vload8(vb8 + j * D + d + VL), vset1(sc[(d + VL) / kv->sg]));
-            } else if (kv->bf16) {
-                v0 = vloadbf(vb16 + j * D + d), v1 = vloadbf(vb16 + j * D + d + VL);
-            } else {
-                v0 = vload(vb + j * D + d), v1 = vload(vb + j * D + d + VL);
-            }
+            vec v0 = row_vec(vr, j0 + j, d, fmt), v1 = row_vec(vr, j0 + j, d + VL, fmt);
             for (int g = 0; g < G; g++) {
                 vec ws = vset1(w[g * SP + s0 + j]);
                 acc[g][0] = vfma(ws, v0, acc[g][0]);
@@ -389,13 +365,26 @@ static inline __attribute__((always_inline)) void mix_tile(const float *w, long 
     for (; d < D; d++)
         for (int g = 0; g < G; g++) {
             float acc = out[g][d];
-            for (long j = 0; j < n; j++) {
-                float v = vsb ? (float)vb8[j * D + d] * vsb[j * (D / kv->sg) + d / kv->sg]
-                          : kv->bf16 ? bf16_to_f32(vb16[j * D + d]) : vb[j * D + d];
-                acc = fmaf(w[g * SP + s0 + j], v, acc);
-            }
+            for (long j = 0; j < n; j++) acc = fmaf(w[g * SP + s0 + j], row_at(vr, j0 + j, d), acc);
             out[g][d] = acc;
         }
+}
+
+static inline __attribute__((always_inline)) void mix_tile(const float *w, long SP, const int G, const kv_view *kv,
+                                                           long blk, long j0, long n, long s0, long kh, long D,
+                                                           float *const *out) {
+#if defined(__AVX512BF16__)
+    if (kv->bf16 && D % 32 == 0) {
+        mix_tile_bf16(w, SP, G, kv, blk, j0, n, s0, kh, D, out);
+        return;
+    }
+#endif
+    kv_rows vr = kv_rows_at(kv, kv->v, kv->vs, blk, kh, D);
+    switch (rows_format(&vr)) {
+    case ROWS_INT8: mix_rows(w, SP, G, &vr, j0, n, s0, D, out, ROWS_INT8); break;
+    case ROWS_BF16: mix_rows(w, SP, G, &vr, j0, n, s0, D, out, ROWS_BF16); break;
+    default: mix_rows(w, SP, G, &vr, j0, n, s0, D, out, ROWS_F32);
+    }
 }
 
 /* The tile that starts at position s0 of a row with block table `table`: its block and offset there;
