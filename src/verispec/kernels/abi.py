@@ -30,7 +30,7 @@ class DecoderDims(ctypes.Structure):
 class CacheLayout:
     """Where the decoder pass reads and writes keys and values (decoder.c, kernels.h's kv_view): position s
     of batch row b, layer l, KV head h at store[l · layer_stride + tables[b, s // block] · block_stride
-    + h · head_stride + (s % block) · D]. k, v float32 stores, or int8 stores with ks, vs float32 scales,
+    + h · head_stride + (s % block) · D]. k, v float32 or bfloat16 stores, or int8 stores with ks, vs float32 scales,
     one per `group` dimensions, at scale[l · sc_layer_stride + tables[…] · sc_block_stride
     + h · sc_head_stride + (s % block) · D / group + d / group]; tables (B, NB) int64 contiguous."""
     k: torch.Tensor

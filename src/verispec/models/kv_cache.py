@@ -5,7 +5,8 @@ the next round. Attention never reads them because a query at position t only se
 positions <= t, and every position <= t of a slot was written by this round or committed earlier.
 
 Keys and values are stored in the model's dtype, or in a KV format of their own (`kv_dtype`):
-bfloat16, or int8 with one float32 scale per group of 32 dimensions of each position and head
+bfloat16 (rounded to nearest, ties to even; the native pass rounds the same way, kernels.h's
+f32_to_bf16), or int8 with one float32 scale per group of 32 dimensions of each position and head
 (max |x| / 127, the group rounded to nearest, ties to even — the native pass writes the same bits,
 kernels.h's kv_quantize). Groups of 32 rather than whole head vectors: a few large channels of the
 keys would otherwise set the step of all 128 (on the embedded 1.5B, KL against the float cache
@@ -174,7 +175,7 @@ class CacheView:
 
     def layout(self):
         """How a native pass reads and writes this cache in place (`kernels.CacheLayout`): each sequence's
-        slot is one block as long as the cache. None where it cannot (not float32 or int8 on the CPU)."""
+        slot is one block as long as the cache. None where it cannot (not float32, bfloat16 or int8 on the CPU)."""
         return _layout(self.cache.store, self._rows[:, None], self.cache.max_len)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
