@@ -27,6 +27,7 @@ def test_bench_on_tiny_pair(tmp_path):
     result = run_bench(loaded(tiny_model(0, scale=1.5)), loaded(tiny_model(1, scale=1.5, num_layers=1)),
                        prompts, modes, [0.0, 0.8], max_tokens=8, repeats=1, batch_sizes=[1, 2], progress=False)
     json.dumps(result)                                            # serialisable
+    assert result["environment"]["kv_cache"] == "float32"         # what `auto` resolved to (torch layers)
     assert len(result["runs"]) == 2 * 2 * len(modes) * 2
     rows = result["summary"]
     assert {r["mode"] for r in rows} == {m.label for m in modes}

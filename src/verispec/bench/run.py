@@ -128,7 +128,8 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
                             _progress(progress, done, total, temp, bs, peer.label, prompts[i].id)
     if progress is True:
         print(file=sys.stderr)
-    return {"environment": environment(), "costs": costs, "runs": runs,
+    kv = plain_llm.kv_dtype or target.model.dtype                 # what `auto` resolved to, for the record
+    return {"environment": {**environment(), "kv_cache": str(kv).removeprefix("torch.")}, "costs": costs, "runs": runs,
             "summary": summarize(runs, modes + peers, costs), "max_tokens": max_tokens}
 
 
@@ -286,9 +287,10 @@ def machine_line(env: dict) -> str:
     """'CPU <model> (<vector extensions>), kernel: <status>' from an environment record (older records
     name only the kernel)."""
     kernel = env.get("kernel", env.get("int8_kernel", "torch"))
+    kv = f", KV cache {env['kv_cache']}" if "kv_cache" in env else ""
     if "cpu_model" not in env:
-        return f"kernel: {kernel}"
-    return f"CPU {env['cpu_model']} ({' '.join(env.get('cpu_flags', [])) or 'no AVX2'}), kernel: {kernel}"
+        return f"kernel: {kernel}{kv}"
+    return f"CPU {env['cpu_model']} ({' '.join(env.get('cpu_flags', [])) or 'no AVX2'}), kernel: {kernel}{kv}"
 
 
 def format_markdown(result: dict) -> str:
