@@ -95,7 +95,6 @@ class LLM:
             raise VerispecError(f"max_batch must be >= 1, got {max_batch}")
         if kv_dtype != "auto" and kv_dtype not in KV_DTYPES:
             raise VerispecError(f"kv_dtype must be 'auto' or one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-        self.kv_dtype = None if kv_dtype == "auto" else KV_DTYPES[kv_dtype]
         for value in (dtype, draft_dtype):
             if value != "auto":
                 parse_dtype(value)                      # an unknown format fails here, before any load
@@ -103,8 +102,7 @@ class LLM:
             raise VerispecError(f"branches must be 'auto' or an integer in 0 … {MAX_ALTERNATIVES}, got {branches!r}")
         self.branches = branches
         self.target: LoadedModel = _load(model, dtype, device, progress)
-        if kv_dtype == "auto":
-            self.kv_dtype = kv_auto_dtype(self.target.model)
+        self.kv_dtype = kv_auto_dtype(self.target.model) if kv_dtype == "auto" else KV_DTYPES[kv_dtype]
         self.tokenizer = self.target.tokenizer
         default_heads = False
         if proposer is None:            # measured best on a 2-core CPU (docs/HEADS.md), with k="auto":

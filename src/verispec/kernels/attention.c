@@ -60,10 +60,9 @@ typedef struct {
 
 static inline kv_rows kv_rows_at(const kv_view *kv, const void *store, const float *scales, long blk, long kh,
                                  long D) {
-    long size = scales ? 1 : kv->bf16 ? 2 : (long)sizeof(float);
-    kv_rows r = {(const char *)store + size * (blk * kv->blk_stride + kh * kv->head_stride),
-                 scales ? scales + blk * kv->sc_blk_stride + kh * kv->sc_head_stride : NULL, D, kv->sg,
-                 kv->bf16 && !scales};
+    long at = kv_esize(kv->ks != NULL, kv->bf16) * (blk * kv->blk_stride + kh * kv->head_stride);   /* bytes */
+    kv_rows r = {(const char *)store + at, scales ? scales + blk * kv->sc_blk_stride + kh * kv->sc_head_stride : NULL,
+                 D, kv->sg, kv->bf16};
     return r;
 }
 
@@ -151,7 +150,7 @@ static inline void store_keys(float *w, vec s, long cnt) {
    read head by head, each key row in D / VL pieces, a pattern the hardware prefetcher follows less
    well than one key row after another; so the next group is fetched ahead. */
 static inline void prefetch_keys(const kv_view *kv, long blk, long j0, long n, long kh, long D) {
-    long size = kv->ks ? 1 : kv->bf16 ? 2 : (long)sizeof(float);
+    long size = kv_esize(kv->ks != NULL, kv->bf16);
     const char *p = (const char *)kv->k + size * (blk * kv->blk_stride + kh * kv->head_stride + j0 * D);
     for (long off = 0; off < n * D * size; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
@@ -175,7 +174,6 @@ static inline __attribute__((always_inline)) void score_keys(const float *const 
         store_keys(w + g * SP + s0, vmul(reduce_keys(acc), vset1(scale)), cnt);
     }
 }
-
 
 #if defined(__AVX512BF16__)
 /* bf16 keys where the CPU has AVX512_BF16: the query rounded to bf16 (`vcvtne2ps2bf16`, nearest, ties

@@ -160,7 +160,8 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
                      const int64_t *tables, long nb, long bs, long blk_stride, long head_stride,
                      float *kscale, float *vscale, long sc_layer_stride, long sc_blk_stride, long sc_head_stride,
                      long sg, int bf16, int threads) {
-    size_t esize = kscale ? 1 : bf16 ? 2 : sizeof(float);     /* int8, bf16 or float32 stores */
+    bf16 = bf16 && !kscale;
+    size_t esize = (size_t)kv_esize(kscale != NULL, bf16);
     long R = B * T, C = dm->C, H = dm->H, Hkv = dm->Hkv, D = dm->D, I = dm->I;
     long QW = (H + 2 * Hkv) * D, KMAX = kpad(C > H * D ? (C > I ? C : I) : (H * D > I ? H * D : I));
     long maxp = 0;
@@ -179,7 +180,7 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
         kv_view kv = {(char *)kstore + esize * l * layer_stride, (char *)vstore + esize * l * layer_stride,
                       kscale ? kscale + l * sc_layer_stride : NULL, vscale ? vscale + l * sc_layer_stride : NULL,
                       tables, nb, bs, blk_stride, head_stride, sc_blk_stride, sc_head_stride, kscale ? sg : D,
-                      bf16 && !kscale};
+                      bf16};
         rmsnorm_ws(x, w->ln1, xn, R, C, dm->eps);
         linear_ws(&w->qkv, xn, qx, sx, qkv, R, QW, C);
         qkv_post_ws(qkv, w->qkv_bias, cos, sin, pos, &kv, R, T, H, Hkv, D);

@@ -85,6 +85,9 @@ static inline uint16_t f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7FC0;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+/* Bytes per stored element of a KV store: int8, bf16 or float32. */
+static inline long kv_esize(int int8, int bf16) { return int8 ? 1 : bf16 ? 2 : (long)sizeof(float); }
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;

@@ -208,7 +208,7 @@ class Transformer(nn.Module):
         decode step would (the native pass), or None when passes of every length run the torch layers.
         Prefill in passes of at most this many tokens gives every cached position the same bits however
         the prompt was split: cold, after a prefix-cache hit, or in chunks under load."""
-        if self._native_decoder() is None or not in_place(store):
+        if not self.runs_native() or not in_place(store):
             return None
         return ROW_EXACT_MAX_T
 
