@@ -23,42 +23,27 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, sh));
 }
 
-/* exp for x ≤ 0 (softmax arguments), Cephes' range reduction and polynomial: relative error ~1e-7. */
-static inline __m256 exp_neg(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
+/* exp for x ≤ 0 (softmax arguments), Cephes' range reduction and polynomial: relative error ~1e-7.
+   exp_neg on 8 lanes, exp_neg512 on 16 (AVX-512 builds): the same operations lane for lane. */
+#define EXP_NEG(NAME, V, VI, P, CASTF, ROUND)                                                           \
+    static inline V NAME(V x) {                                                                     \
+        x = P##_max_ps(x, P##_set1_ps(-87.0f));                                                     \
+        V n = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); \
+        V r = P##_sub_ps(x, P##_mul_ps(n, P##_set1_ps(0.693359375f)));                              \
+        r = P##_sub_ps(r, P##_mul_ps(n, P##_set1_ps(-2.12194440e-4f)));                             \
+        V y = P##_set1_ps(1.9875691500E-4f);                                                        \
+        y = P##_fmadd_ps(y, r, P##_set1_ps(1.3981999507E-3f));                                      \
+        y = P##_fmadd_ps(y, r, P##_set1_ps(8.3334519073E-3f));                                      \
+        y = P##_fmadd_ps(y, r, P##_set1_ps(4.1665795894E-2f));                                      \
+        y = P##_fmadd_ps(y, r, P##_set1_ps(1.6666665459E-1f));                                      \
+        y = P##_fmadd_ps(y, r, P##_set1_ps(5.0000001201E-1f));                                      \
+        y = P##_fmadd_ps(y, P##_mul_ps(r, r), P##_add_ps(r, P##_set1_ps(1.0f)));                    \
+        VI e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);          \
+        return P##_mul_ps(y, CASTF(e));                                                             \
+    }
+EXP_NEG(exp_neg, __m256, __m256i, _mm256, _mm256_castsi256_ps, _mm256_round_ps)
 #if defined(__AVX512F__)
-/* exp_neg on 16 lanes: the same operations lane for lane. */
-static inline __m512 exp_neg512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
+EXP_NEG(exp_neg512, __m512, __m512i, _mm512, _mm512_castsi512_ps, _mm512_roundscale_ps)
 #endif
 
 /* int8 matmul in two worksharing steps (gemm.c): round each row of x (M, K) to 16-bit integers with
