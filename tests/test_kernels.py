@@ -567,3 +567,18 @@ def test_an_unknown_or_unsupported_variant_says_why():
                 kernels.load_variant(v.name)
 
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_rows_a_nan_key_makes_nan_only_the_rows_that_see_it(native, dtype):
+    """The softmax's NaN check: a row whose prefix holds a NaN score is NaN throughout (as torch's
+    softmax would make it); a row whose prefix ends before it stays finite and unchanged."""
+    torch.manual_seed(11)
+    q = torch.randn(1, 12, 3, 128)
+    keys, values = torch.randn(1, 2, 40, 128).to(dtype), torch.randn(1, 2, 40, 128).to(dtype)
+    positions = torch.tensor([[36, 37, 38]])
+    clean = native.attend_rows(q, keys, values, positions, 128 ** -0.5)
+    keys[0, 1, 37, 5] = float("nan")                             # KV head 1: query heads 6 … 11
+    out = native.attend_rows(q, keys, values, positions, 128 ** -0.5)
+    assert torch.equal(out[0, 0], clean[0, 0])                   # position 36 never sees key 37
+    assert torch.isnan(out[0, 1:, 6:]).all() and torch.equal(out[0, 1:, :6], clean[0, 1:, :6])

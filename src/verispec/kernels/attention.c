@@ -271,12 +271,14 @@ static inline __attribute__((always_inline)) void score_tile(const float *const 
    time at 5,000 positions); their sum runs in another order than AVX2's 8 lanes, so the variants
    differ in the last bits (each is row-exact). */
 #if defined(__AVX512F__)
+static inline __mmask16 first_lanes(long n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
 static float softmax_row(float *w, long p) {
     long n = p + 1;
     __m512 vmx = _mm512_set1_ps(-INFINITY);
     __mmask16 nan = 0;
     for (long s = 0; s < n; s += 16) {
-        __mmask16 k = n - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - s)) - 1);
+        __mmask16 k = first_lanes(n - s);
         __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, w + s);
         nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
         vmx = _mm512_max_ps(vmx, x);
@@ -284,7 +286,7 @@ static float softmax_row(float *w, long p) {
     if (nan) return NAN;
     __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx)), sum = _mm512_setzero_ps();
     for (long s = 0; s < n; s += 16) {
-        __mmask16 k = n - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - s)) - 1);
+        __mmask16 k = first_lanes(n - s);
         __m512 e = _mm512_maskz_mov_ps(k, exp_neg512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, w + s), mx)));
         _mm512_mask_storeu_ps(w + s, k, e);
         sum = _mm512_add_ps(sum, e);
