@@ -35,33 +35,47 @@
 #define PF4 128
 #endif
 
-static const int Q8_ORDER[8] = {0, 4, 1, 5, 2, 6, 3, 7};   /* stored position i holds x[k + Q8_ORDER[i]] */
-
 static inline int32_t word32(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-/* x (M, K) float32 -> q8 (M, K) int8 in Q8_ORDER within each 8, s8 and xsum (M, K/32). */
+/* x (M, K) float32 -> q8 (M, K) int8 in Q8_ORDER within each 8, s8 and xsum (M, K/32). One group of 32
+   in four 8-lane vectors (AVX2 in every variant, so every variant gives the same bits): amax exact in
+   any order; the sum as ((x0..7 + x8..15) + (x16..23 + x24..31)) lane by lane, then hsum; each value
+   x · (127 / amax) rounded to the nearest integer, ties to even (as lrintf in the default mode), clamped
+   to ±127. Q8_ORDER (0, 4, 1, 5, 2, 6, 3, 7): stored position i holds x[k + Q8_ORDER[i]]. */
 void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s8, float *xsum) {
     long G = K / 32;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i lim = _mm256_set1_epi32(127), dwords = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
 #pragma omp for schedule(static)
     for (long m = 0; m < M; m++)
         for (long g = 0; g < G; g++) {
             const float *xg = x + m * K + 32 * g;
-            float amax = 0.0f, sum = 0.0f;
-            for (int t = 0; t < 32; t++) {
-                float a = fabsf(xg[t]);
-                amax = a > amax ? a : amax;
-                sum += xg[t];
-            }
-            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t *qg = q8 + m * K + 32 * g;
-            for (int t = 0; t < 32; t++) {
-                long v = lrintf(xg[(t & ~7) + Q8_ORDER[t & 7]] * inv);
-                qg[t] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
-            }
+            __m256 a0 = _mm256_loadu_ps(xg), a1 = _mm256_loadu_ps(xg + 8);
+            __m256 a2 = _mm256_loadu_ps(xg + 16), a3 = _mm256_loadu_ps(xg + 24);
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(a0, absmask), _mm256_and_ps(a1, absmask)),
+                                      _mm256_max_ps(_mm256_and_ps(a2, absmask), _mm256_and_ps(a3, absmask)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            float amax = _mm_cvtss_f32(h);
+            float sum = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+            __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, inv));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, inv));
+            i0 = _mm256_max_epi32(_mm256_min_epi32(i0, lim), _mm256_sub_epi32(_mm256_setzero_si256(), lim));
+            i1 = _mm256_max_epi32(_mm256_min_epi32(i1, lim), _mm256_sub_epi32(_mm256_setzero_si256(), lim));
+            i2 = _mm256_max_epi32(_mm256_min_epi32(i2, lim), _mm256_sub_epi32(_mm256_setzero_si256(), lim));
+            i3 = _mm256_max_epi32(_mm256_min_epi32(i3, lim), _mm256_sub_epi32(_mm256_setzero_si256(), lim));
+            /* packs work within 128-bit halves: dwords come out as x0-3, x8-11, x16-19, x24-27, x4-7, … */
+            __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            b = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(b, dwords), order);
+            _mm256_storeu_si256((__m256i *)(q8 + m * K + 32 * g), b);
             s8[m * G + g] = amax / 127.0f;
             xsum[m * G + g] = sum;
         }
