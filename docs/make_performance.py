@@ -208,6 +208,14 @@ def costs_section(profile: dict | None) -> list[str]:
              truncated and cost(truncated, f"over its {truncated.split('/')[1]} commonest tokens (the default)"),
              cost("head", "the shipped heads"), f"prompt lookup {cq['ngram'] * 1e3:.2f} ms"]
     out += ["", "Proposer cost per drafted token: " + "; ".join(p for p in parts if p) + ".", ""]
+    if "c_p1_and_matmuls" in profile:
+        pass1, matmuls = profile["c_p1_and_matmuls"]
+        out += ["A 1-token pass against its matmuls alone (the same model's linears: every layer's q/k/v, o, "
+                "gate/up and down and the LM head, each called once from Python — a native call with its own "
+                f"thread start-up — alternated with 1-token passes): {pass1 * 1e3:.1f} ms against "
+                f"{matmuls * 1e3:.1f} ms, c_p(1) = {pass1 / matmuls:.2f} × its matmuls. The pass is one native "
+                "call for every layer with one set of threads, so it can take less than its matmuls called one "
+                "by one.", ""]
     return out
 
 

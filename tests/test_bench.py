@@ -193,3 +193,24 @@ def test_pass_costs_between_and_beyond_the_measured_widths_are_interpolated():
     assert c_p_at(c_p, 3) == 2.0
     assert c_p_at(c_p, 2) == pytest.approx(1.5) and c_p_at(c_p, 4) == pytest.approx(3.0)
     assert c_p_at(c_p, 7) == pytest.approx(6.0)               # along the widest two
+
+
+def test_matmuls_alone_time_every_linear_of_the_pass(monkeypatch):
+    """c_p(1) against its matmuls: the second figure calls every layer's four projections and the LM
+    head once per round, so a slower linear shows in it (and not a layer left out)."""
+    import time
+
+    from verispec.engine import calibrate
+
+    model = tiny_model(0, num_layers=2)
+    calls = []
+    for i, block in enumerate(model.model.layers):
+        for name, m in (("qkv", block.self_attn.qkv_proj), ("o", block.self_attn.o_proj),
+                        ("gu", block.mlp.gate_up_proj), ("down", block.mlp.down_proj)):
+            m.register_forward_hook(lambda *a, tag=(i, name): calls.append(tag))
+    model.lm_head.register_forward_hook(lambda *a: (calls.append("head"), time.sleep(0.02)))
+    monkeypatch.setattr(calibrate, "pass_cost", lambda *a, **k: 0.001)
+    c_p1, matmuls = calibrate.pass_and_matmul_costs(model, repeats=3)
+    assert c_p1 == 0.001 and matmuls >= 0.02
+    per_round = [(i, n) for i in range(2) for n in ("qkv", "o", "gu", "down")] + ["head"]
+    assert calls == per_round * 4                               # a warm-up round and three timed

@@ -15,7 +15,8 @@ from verispec.errors import VerispecError
 def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure c_p(n) and c_q here and print the predicted speedup curve",
                        description="Measure c_p(n), one target pass over n new tokens (n = 1 … --max-n), and c_q, "
-                                   "one proposal step of the draft model and of prompt lookup, then print "
+                                   "one proposal step of the draft model (timed alternately with 1-token target passes, "
+                                   "reported as that ratio times c_p(1)), of the heads and of prompt lookup, then print "
                                    "E(K)·c_p(1) / (K·c_q + c_p(K+1)) for each K and α.")
     add_model_args(p)
     p.add_argument("--max-n", type=int, default=16, help="largest pass width to measure (default 16)")
@@ -28,7 +29,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from verispec.bench.costs import predicted_speedup
-    from verispec.engine.calibrate import pass_cost, pass_costs
+    from verispec.engine.calibrate import pass_and_matmul_costs, pass_costs
     from verispec.bench.run import machine_line
     from verispec.kernels import machine
     from verispec.loaders.builtin import DEFAULT_DRAFT
@@ -49,13 +50,14 @@ def run(args) -> int:
                      on_round=lambda r, total: print(f"\rmeasuring c_p(1 … {args.max_n}): round {r}/{total}", end="",
                                                      file=sys.stderr, flush=True), kv_dtype=kv)
     print(file=sys.stderr)
-    c_q = {"draft": pass_cost(draft.model, 1, args.context, kv_dtype=kv)}
+    pass1, matmuls = pass_and_matmul_costs(target.model, args.context, args.repeats, kv_dtype=kv)
     from verispec.proposers.draft_vocab import DEFAULT_DRAFT_VOCAB, frequent_tokens
 
+    steps = {"draft": None}                      # draft steps, each alternated with a 1-token target pass
     n = DEFAULT_DRAFT_VOCAB if args.draft_vocab == "auto" else args.draft_vocab
     if 0 < n < draft.config.vocab_size and draft.tokenizer is not None:
-        vocab = frequent_tokens(draft.tokenizer, n, draft.config.vocab_size)
-        c_q[f"draft/{n}"] = pass_cost(draft.model, 1, args.context, vocab=vocab, kv_dtype=kv)
+        steps[f"draft/{n}"] = frequent_tokens(draft.tokenizer, n, draft.config.vocab_size)
+    c_q = {name: c_p[1] * ratio for name, ratio in _step_ratios(target, draft, steps, args, kv).items()}
     heads_path = args.head
     if heads_path is None:
         from verispec.heads import shipped_heads
@@ -69,6 +71,8 @@ def run(args) -> int:
     print(f"{'n':>3} {'c_p(n) ms':>10} {'c_p(n)/c_p(1)':>14}")
     for n, v in c_p.items():
         print(f"{n:>3} {v * 1e3:>10.1f} {v / c_p[1]:>14.2f}")
+    print(f"c_p(1) against its matmuls alone (every linear called once, alternated with 1-token passes): "
+          f"{pass1 * 1e3:.1f} / {matmuls * 1e3:.1f} ms = {pass1 / matmuls:.2f}")
     print("c_q: " + ", ".join(f"{k} {v * 1e3:.2f} ms ({v / c_p[1]:.2f} c_p(1))" for k, v in c_q.items()))
     curves = {}
     for name, cq in c_q.items():
@@ -80,9 +84,26 @@ def run(args) -> int:
             print(f"{k:>3} " + "".join(f"{x:>8.2f}x" for x in row))
     if args.json_file:
         with open(args.json_file, "w") as f:
-            json.dump({"c_p": c_p, "c_q": c_q, "alphas": alphas, "predicted": curves, "dtype": args.dtype,
+            json.dump({"c_p": c_p, "c_q": c_q, "c_p1_and_matmuls": [pass1, matmuls], "alphas": alphas,
+                       "predicted": curves, "dtype": args.dtype,
                        "environment": machine()}, f, indent=1)
     return 0
+
+
+def _step_ratios(target, draft, steps: dict, args, kv) -> dict[str, float]:
+    """Draft step over target step for each vocabulary in steps (None: the whole one): the median of
+    --repeats rounds, each timing a 1-token target pass and then every draft step, so a slow spell of a
+    shared machine falls on both sides of a ratio."""
+    import statistics
+
+    from verispec.engine.calibrate import pass_cost
+
+    ratios: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.repeats):
+        c1 = pass_cost(target.model, 1, args.context, repeats=1, kv_dtype=kv)
+        for name, vocab in steps.items():
+            ratios[name].append(pass_cost(draft.model, 1, args.context, repeats=1, vocab=vocab, kv_dtype=kv) / c1)
+    return {name: statistics.median(r) for name, r in ratios.items()}
 
 
 def _head_cost(target, path, repeats: int = 30) -> float:

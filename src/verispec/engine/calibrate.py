@@ -57,6 +57,32 @@ def pass_cost(model: Transformer, n: int, context: int = 128, repeats: int = 5,
     return pass_costs(model, [n], context, repeats, vocab=vocab, kv_dtype=kv_dtype)[n]
 
 
+def pass_and_matmul_costs(model: Transformer, context: int = 128, repeats: int = 7,
+                          kv_dtype: torch.dtype | None = None) -> tuple[float, float]:
+    """(c_p(1), its matmuls alone): median seconds of a 1-token pass and of the same model's linears
+    (every layer's q/k/v, o, gate/up and down, then the LM head) called one after another on one
+    random row, the two alternated round by round. Each linear is a module call (the native kernel
+    behind a little Python and an output allocation), so the second figure is, if anything, above
+    what the kernels alone take, and c_p(1) over it a lower bound on the pass's overhead ratio."""
+    linears = []
+    for block in model.model.layers:
+        linears += [block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj]
+    linears.append(model.lm_head)
+    inputs = {m.in_features: torch.randn(1, m.in_features, dtype=model.dtype) for m in linears}   # (1, K) each
+    passes, matmuls = [], []
+    for r in range(repeats + 1):                 # round 0 warms up
+        p = pass_cost(model, 1, context, repeats=1, kv_dtype=kv_dtype)
+        with torch.inference_mode():
+            t = time.perf_counter()
+            for m in linears:
+                m(inputs[m.in_features])
+            mm = time.perf_counter() - t
+        if r:
+            passes.append(p)
+            matmuls.append(mm)
+    return statistics.median(passes), statistics.median(matmuls)
+
+
 def c_p_at(c_p: dict[int, float], n: int) -> float:
     """c_p(n) from the measured widths: exact, linear between the two nearest, or extended along
     the widest two."""
