@@ -35,12 +35,6 @@
 #define PF4 128
 #endif
 
-static inline int32_t word32(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 /* x (M, K) float32 -> q8 (M, K) int8 in Q8_ORDER within each 8, s8 and xsum (M, K/32). One group of 32
    in four 8-lane vectors (AVX2 in every variant, so every variant gives the same bits): amax exact in
    any order; the sum as ((x0..7 + x8..15) + (x16..23 + x24..31)) lane by lane, then hsum; each value
@@ -103,8 +97,8 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
                 __m512i lo = _mm512_and_si512(d, lo4), hi = _mm512_and_si512(_mm512_srli_epi32(d, 4), lo4); \
                 for (int m = 0; m < MM; m++) {                                                    \
                     const int8_t *xr = q8 + m * K + 32 * g + 8 * j;                               \
-                    isum[m] = _mm512_dpbusd_epi32(isum[m], lo, _mm512_set1_epi32(word32(xr)));    \
-                    isum[m] = _mm512_dpbusd_epi32(isum[m], hi, _mm512_set1_epi32(word32(xr + 4))); \
+                    isum[m] = dpbusd_bcast(isum[m], lo, xr);                                      \
+                    isum[m] = dpbusd_bcast(isum[m], hi, xr + 4);                                  \
                 }                                                                                 \
             }                                                                                     \
             const uint8_t *gg = gs + (b * G + g) * 32;                                            \

@@ -41,12 +41,6 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
         }
 }
 
-static inline int32_t word32_6(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KERNEL6(MM)                                                                                \
     static void q6_##MM(const int8_t *q8, long K, const float *s8, const int32_t *qs, const uint32_t *wp, \
@@ -70,8 +64,8 @@ static inline int32_t word32_6(const int8_t *p) {
                                              _mm512_and_si512(hb, hi2));                          \
                 for (int m = 0; m < MM; m++) {                                                    \
                     const int8_t *xr = q8 + m * K + 32 * g + 8 * j;                               \
-                    isum[j / 2][m] = _mm512_dpbusd_epi32(isum[j / 2][m], lo, _mm512_set1_epi32(word32_6(xr))); \
-                    isum[j / 2][m] = _mm512_dpbusd_epi32(isum[j / 2][m], hi, _mm512_set1_epi32(word32_6(xr + 4))); \
+                    isum[j / 2][m] = dpbusd_bcast(isum[j / 2][m], lo, xr);                        \
+                    isum[j / 2][m] = dpbusd_bcast(isum[j / 2][m], hi, xr + 4);                    \
                 }                                                                                 \
             }                                                                                     \
             const int8_t *sg = sc + (b * G + g) * 32;                                             \
@@ -117,9 +111,9 @@ static inline int32_t word32_6(const int8_t *p) {
                                                  _mm256_and_si256(hb, hi2));                      \
                     for (int m = 0; m < MM; m++) {                                                \
                         const int8_t *xr = q8 + m * K + 32 * g + 8 * j;                           \
-                        __m256i p = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word32_6(xr)));    \
+                        __m256i p = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word32(xr)));    \
                         isum[j / 2][m] = _mm256_add_epi32(isum[j / 2][m], _mm256_madd_epi16(p, ones)); \
-                        p = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word32_6(xr + 4)));        \
+                        p = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word32(xr + 4)));        \
                         isum[j / 2][m] = _mm256_add_epi32(isum[j / 2][m], _mm256_madd_epi16(p, ones)); \
                     }                                                                             \
                 }                                                                                 \
