@@ -427,3 +427,16 @@ def tiny_live_server():
     live.engine = engine
     yield live
     live.stop()
+
+
+def test_a_server_freezes_what_it_loaded_so_full_collections_skip_it():
+    import gc
+
+    from verispec.serving.backend import freeze_loaded_objects
+
+    kept = [[i] for i in range(50_000)]                   # stand-ins for a tokenizer's tables
+    try:
+        assert freeze_loaded_objects() >= len(kept)
+        assert id(kept[0]) not in {id(o) for o in gc.get_objects(generation=2)}   # not scanned any more
+    finally:
+        gc.unfreeze()

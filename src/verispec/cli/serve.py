@@ -106,6 +106,9 @@ def run(args) -> int:
         print(f"verispec: serving {name} on http://{args.host}:{args.port}/v1 "
               f"(proposer {llm.proposer_name}, k={llm.k}, {engine.pool.usable} KV blocks of {args.block_size})",
               file=sys.stderr, flush=True)
+        from verispec.serving.backend import freeze_loaded_objects
+
+        freeze_loaded_objects()
         return engine
 
     app = create_app(config, load)

@@ -194,12 +194,13 @@ class Replica:
 
         from verispec.cli.generate import build_llm
         from verispec.engine.loop import EngineLoop
-        from verispec.serving.backend import LocalBackend
+        from verispec.serving.backend import LocalBackend, freeze_loaded_objects
 
         torch.set_num_threads(threads)
         llm = build_llm(args)
         engine = llm.engine(kv_budget_mb=args.kv_cache_mb, block_size=args.block_size,
                             max_running=args.max_running, prefill_budget=args.prefill_chunk)
+        freeze_loaded_objects()
         loop = EngineLoop(engine, args.max_waiting)
         loop.start()
         self.backend = LocalBackend(loop)
