@@ -4,6 +4,7 @@ and the speedup those costs predict for each K at a given acceptance α."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 
@@ -14,9 +15,10 @@ from verispec.errors import VerispecError
 
 def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure c_p(n) and c_q here and print the predicted speedup curve",
-                       description="Measure c_p(n), one target pass over n new tokens (n = 1 … --max-n), and c_q, "
-                                   "one proposal step of the draft model (timed alternately with 1-token target passes, "
-                                   "reported as that ratio times c_p(1)), of the heads and of prompt lookup, then print "
+                       description="Measure c_p(n), one target pass over n new tokens (n = 1 … --max-n), c_p(1) "
+                                   "against its matmuls alone, and c_q, one proposal step of the draft model "
+                                   "(timed alternately with 1-token target passes, reported as that ratio times "
+                                   "c_p(1)), of the heads and of prompt lookup, then print "
                                    "E(K)·c_p(1) / (K·c_q + c_p(K+1)) for each K and α.")
     add_model_args(p)
     p.add_argument("--max-n", type=int, default=16, help="largest pass width to measure (default 16)")
@@ -29,7 +31,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from verispec.bench.costs import predicted_speedup
-    from verispec.engine.calibrate import pass_and_matmul_costs, pass_costs
+    from verispec.engine.calibrate import alternated_steps, pass_and_matmul_costs, pass_costs
     from verispec.bench.run import machine_line
     from verispec.kernels import machine
     from verispec.loaders.builtin import DEFAULT_DRAFT
@@ -57,7 +59,9 @@ def run(args) -> int:
     n = DEFAULT_DRAFT_VOCAB if args.draft_vocab == "auto" else args.draft_vocab
     if 0 < n < draft.config.vocab_size and draft.tokenizer is not None:
         steps[f"draft/{n}"] = frequent_tokens(draft.tokenizer, n, draft.config.vocab_size)
-    c_q = {name: c_p[1] * ratio for name, ratio in _step_ratios(target, draft, steps, args, kv).items()}
+    target_s, draft_s = alternated_steps(target.model, draft.model, steps, args.repeats, args.context, kv)
+    c_q = {name: c_p[1] * statistics.median(d / t for d, t in zip(times, target_s))    # each ratio alternated
+           for name, times in draft_s.items()}
     heads_path = args.head
     if heads_path is None:
         from verispec.heads import shipped_heads
@@ -88,22 +92,6 @@ def run(args) -> int:
                        "predicted": curves, "dtype": args.dtype,
                        "environment": machine()}, f, indent=1)
     return 0
-
-
-def _step_ratios(target, draft, steps: dict, args, kv) -> dict[str, float]:
-    """Draft step over target step for each vocabulary in steps (None: the whole one): the median of
-    --repeats rounds, each timing a 1-token target pass and then every draft step, so a slow spell of a
-    shared machine falls on both sides of a ratio."""
-    import statistics
-
-    from verispec.engine.calibrate import pass_cost
-
-    ratios: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.repeats):
-        c1 = pass_cost(target.model, 1, args.context, repeats=1, kv_dtype=kv)
-        for name, vocab in steps.items():
-            ratios[name].append(pass_cost(draft.model, 1, args.context, repeats=1, vocab=vocab, kv_dtype=kv) / c1)
-    return {name: statistics.median(r) for name, r in ratios.items()}
 
 
 def _head_cost(target, path, repeats: int = 30) -> float:

@@ -109,16 +109,26 @@ def width_ratios(model: Transformer, key: str, widths=CALIBRATION_WIDTHS, repeat
     return {int(n): r for n, r in _calibrated(f"{key}|{','.join(map(str, widths))}", measure).items()}
 
 
+def alternated_steps(target: Transformer, draft: Transformer, vocabs: dict, repeats: int, context: int = 128,
+                     kv_dtype: torch.dtype | None = None) -> tuple[list[float], dict[str, list[float]]]:
+    """Seconds of a 1-token target pass and of a draft step for each vocabulary in vocabs (name ->
+    token ids, or None for the whole one), every round timing the target and then each draft step, so a
+    slow spell of a shared machine falls on both sides: (target times, {name: draft times})."""
+    target_s, draft_s = [], {name: [] for name in vocabs}
+    for _ in range(repeats):
+        target_s.append(pass_cost(target, 1, context, repeats=1, kv_dtype=kv_dtype))
+        for name, vocab in vocabs.items():
+            draft_s[name].append(pass_cost(draft, 1, context, repeats=1, vocab=vocab, kv_dtype=kv_dtype))
+    return target_s, draft_s
+
+
 def draft_step_ratio(target: Transformer, draft: Transformer, key: str, repeats: int = 3,
                      vocab: torch.Tensor | None = None) -> float:
     """One draft step (its LM head over `vocab` only, when given) over one target step, measured
     alternately (calibration file as width_ratios)."""
     def measure() -> dict[str, float]:
-        t, d = [], []
-        for _ in range(repeats):
-            t.append(pass_cost(target, 1, repeats=1))
-            d.append(pass_cost(draft, 1, repeats=1, vocab=vocab))
-        return {"ratio": statistics.median(d) / statistics.median(t)}
+        t, d = alternated_steps(target, draft, {"draft": vocab}, repeats)
+        return {"ratio": statistics.median(d["draft"]) / statistics.median(t)}
 
     head = "" if vocab is None else f"|vocab {len(vocab)}"
     return _calibrated(f"draft step|{key}{head}", measure)["ratio"]

@@ -43,7 +43,8 @@
 void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s8, float *xsum) {
     long G = K / 32;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256i lim = _mm256_set1_epi32(127), dwords = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+    const __m256i dwords = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
                                            0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
 #pragma omp for schedule(static)
@@ -62,10 +63,10 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
             __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
             __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, inv));
             __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, inv));
-            i0 = _mm256_max_epi32(_mm256_min_epi32(i0, lim), _mm256_sub_epi32(_mm256_setzero_si256(), lim));
-            i1 = _mm256_max_epi32(_mm256_min_epi32(i1, lim), _mm256_sub_epi32(_mm256_setzero_si256(), lim));
-            i2 = _mm256_max_epi32(_mm256_min_epi32(i2, lim), _mm256_sub_epi32(_mm256_setzero_si256(), lim));
-            i3 = _mm256_max_epi32(_mm256_min_epi32(i3, lim), _mm256_sub_epi32(_mm256_setzero_si256(), lim));
+            i0 = _mm256_max_epi32(_mm256_min_epi32(i0, lim), nlim);
+            i1 = _mm256_max_epi32(_mm256_min_epi32(i1, lim), nlim);
+            i2 = _mm256_max_epi32(_mm256_min_epi32(i2, lim), nlim);
+            i3 = _mm256_max_epi32(_mm256_min_epi32(i3, lim), nlim);
             /* packs work within 128-bit halves: dwords come out as x0-3, x8-11, x16-19, x24-27, x4-7, … */
             __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
             b = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(b, dwords), order);
