@@ -448,3 +448,55 @@ def test_a_source_limited_to_h_drafts_is_never_given_more():
         ks.append(free.choose(1, "head", remaining=100))
         free.observe(1, "head", ks[-1], ks[-1])
     assert max(ks) > 3
+
+
+def test_an_answers_expected_remainder_follows_the_prior_then_the_answers_that_finished():
+    from verispec.engine.answer_lengths import PRIOR_ANSWERS, AnswerLengths, prior_remaining
+
+    lengths = AnswerLengths()
+    assert lengths.expected_remaining(0, 4000) == pytest.approx(prior_remaining(0, 4000))
+    assert prior_remaining(0, 4000) < 100 < prior_remaining(200, 4000) < 4000 - 200   # the longer it ran …
+    assert prior_remaining(64, 64) == 0.0
+    for _ in range(40):
+        lengths.record(12, capped=False)                 # short answers that stopped by themselves
+    # 8 more in each of 40 answers, against the prior's ~106 counted as PRIOR_ANSWERS answers.
+    mixed = (PRIOR_ANSWERS * prior_remaining(4, 4000) + 40 * 8) / (PRIOR_ANSWERS + 40)
+    assert lengths.expected_remaining(4, 4000) == pytest.approx(mixed) and mixed < 15
+    assert lengths.expected_remaining(4, 4000, learned=False) == prior_remaining(4, 4000)
+    # Past every answer seen, the prior alone speaks again.
+    assert lengths.expected_remaining(12, 4000) == pytest.approx(prior_remaining(12, 4000))
+    capped = AnswerLengths()
+    for _ in range(40):
+        capped.record(64, capped=True)                   # every answer ran into its max_tokens of 64
+    assert capped.expected_remaining(10, 64) == pytest.approx(54, abs=3)
+    # Cut by a smaller cap than this request's: counted to it, and the prior's tail beyond.
+    assert capped.expected_remaining(10, 4000) > 64 - 10 + 0.9 * prior_remaining(64, 4000)
+
+
+def test_a_draft_catch_up_is_amortised_over_the_answer_expected_not_over_its_cap():
+    """An open-ended request (max_tokens = the rest of the context) behind a 600-token prompt: the
+    draft catches up when answers here run long, not when they stop after about ten tokens. A seeded
+    request ignores the other answers (its schedule depends on its own history only)."""
+    from types import SimpleNamespace
+
+    from verispec.engine.params import SamplingParams
+
+    def policy(answer: int) -> KPolicy:
+        p = KPolicy("auto", k_max=4)
+        for n in range(1, 6):
+            p.costs.record_verify(n, 0.1 * (1 + 0.1 * (n - 1)))
+        p.costs.record_propose("draft", 1, 0.02)
+        p.costs.record_catchup("draft", 1, 0.003)
+        p.shared[("draft", "greedy")] = [0.8] * p.k_max
+        for _ in range(50):
+            p.finished(answer, capped=False)
+        return p
+
+    seq = SimpleNamespace(slot=0, generated=[1, 2, 3], params=SamplingParams(temperature=0, max_tokens=4000))
+    assert policy(3000).choose_round([seq], ["draft"], backlogs=[600]) != [0]
+    assert policy(12).choose_round([seq], ["draft"], backlogs=[600]) == [0]
+    assert policy(12).choose_round([seq], ["draft"], backlogs=[0]) != [0]       # nothing to catch up on
+    seeded = SimpleNamespace(slot=0, generated=[1, 2, 3],
+                             params=SamplingParams(temperature=0.7, max_tokens=4000, seed=1))
+    assert policy(12).choose_round([seeded], ["draft"], backlogs=[600]) == \
+        policy(3000).choose_round([seeded], ["draft"], backlogs=[600])

@@ -303,6 +303,8 @@ class Engine:
         self.scheduler.finish(e)
         self._free_caches(e)
         self.policy.forget_slot(e.slot)
+        if e.seq.finished:
+            self.policy.finished(len(e.seq.generated), e.seq.finish_reason == "length")
         self.stats.record_left(e.seq, e.arrival, e.first_token)
         entries = self._entries.get(e.request_id, [])
         if e.seq.finished and all(x.seq.finished for x in entries):

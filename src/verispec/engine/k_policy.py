@@ -22,13 +22,16 @@ only when speculating over the tokens still to generate saves more than it costs
 
     remaining · (c_p(1) − (K·c_q + c_p(K+1)) / E(K))  >  backlog · c_catchup
 
-so a long prompt with a short answer is decoded plainly rather than prefilled twice.
+so a long prompt with a short answer is decoded plainly rather than prefilled twice. `remaining`
+there is the answer's expected remainder (answer_lengths.py), not its cap: an open-ended answer's
+cap is the rest of the context.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from verispec.engine.answer_lengths import AnswerLengths
 from verispec.models.transformer import ROW_EXACT_MAX_T
 
 EMA = 0.2                 # weight of a new measurement (costs; acceptance once past its prior)
@@ -291,6 +294,7 @@ class KPolicy:
         # sequence starts from them rather than from a fixed guess (short requests learn little).
         self.shared: dict[tuple[str, str], list[float]] = {}
         self.source_k_max: dict[str, int] = {}
+        self.lengths = AnswerLengths()           # finished answers: what a catch-up is amortised over
 
     def limit(self, source: str, k_max: int) -> None:
         """This source never drafts more than k_max tokens (Medusa heads: one per head): positions past
@@ -298,16 +302,18 @@ class KPolicy:
         self.source_k_max[source] = k_max
 
     def choose(self, slot: int, source: str, remaining: int, batch: int = 1, reproducible: bool = False,
-               greedy: bool = True, backlog: int = 0) -> int:
+               greedy: bool = True, backlog: int = 0, horizon: float | None = None) -> int:
         """K for this sequence's next round in a round of `batch` sequences; never more drafts than
         tokens left to generate − 1. backlog: tokens the proposer must first catch up on (see the
-        module docstring); K stays 0 while that would cost more than speculating saves.
+        module docstring); K stays 0 while that would cost more than speculating saves over the
+        `horizon` tokens the answer is expected to add (default: all `remaining` up to its cap).
 
         reproducible: use fixed STATIC costs and the fixed prior instead of measured costs and the
         shared prior, so the K schedule depends only on the sequence's own acceptance history
         (seeded sampling: the same seed gives the same text whatever the machine's timings, the
         batch around it, or the requests before it)."""
         cap = max(0, remaining - 1)
+        horizon = remaining if horizon is None else horizon
         if not self.auto:
             return min(self.k_fixed, cap)
         if source == "none":
@@ -320,11 +326,11 @@ class KPolicy:
             c_p, c_q = (lambda n: self.costs.c_p(n, batch)), self.costs.c_q(source)
             catchup = backlog * self.costs.c_catchup(source)
         k = choose_k(est.rates, c_p, c_q, self.k_max)
-        if k > 0 and backlog and saving(est.rates, k, c_p, c_q, remaining) <= catchup:
+        if k > 0 and backlog and saving(est.rates, k, c_p, c_q, horizon) <= catchup:
             k = 0
         # A probe that needs a catch-up must pay off at the prior acceptance rate.
         prior = AcceptanceEstimate.prior(source, 1).rates
-        may_probe = not backlog or saving(prior, 1, c_p, c_q, remaining) > catchup
+        may_probe = not backlog or saving(prior, 1, c_p, c_q, horizon) > catchup
         # A sequence's first round tries the source once when the fixed prior says drafting pays,
         # even if the shared prior says it does not: that one pools other sequences, perhaps other
         # kinds of text (prose before code), and the sequence's own rate is learned from one round.
@@ -361,12 +367,16 @@ class KPolicy:
         batch = batch or len(seqs)
         backlogs = backlogs or [0] * len(seqs)
         remaining = [s.params.max_tokens - len(s.generated) for s in seqs]
+        # What a catch-up is amortised over: the answer's expected remainder (only where one is due).
+        horizons = [self.lengths.expected_remaining(len(s.generated), s.params.max_tokens,
+                                                    learned=not s.params.reproducible) if bl else float(r)
+                    for s, r, bl in zip(seqs, remaining, backlogs)]
         if len(seqs) == 1 or not self.auto:
-            return [self.choose(s.slot, src, r, batch, s.params.reproducible, s.params.greedy, bl)
-                    for s, src, r, bl in zip(seqs, sources, remaining, backlogs)]
+            return [self.choose(s.slot, src, r, batch, s.params.reproducible, s.params.greedy, bl, h)
+                    for s, src, r, bl, h in zip(seqs, sources, remaining, backlogs, horizons)]
         joint = [i for i, s in enumerate(seqs) if not s.params.reproducible and sources[i] != "none"]
-        ks = [self.choose(s.slot, src, r, batch, True, s.params.greedy, bl) if i not in joint else 0
-              for i, (s, src, r, bl) in enumerate(zip(seqs, sources, remaining, backlogs))]
+        ks = [self.choose(s.slot, src, r, batch, True, s.params.greedy, bl, h) if i not in joint else 0
+              for i, (s, src, r, bl, h) in enumerate(zip(seqs, sources, remaining, backlogs, horizons))]
         if not joint:
             return ks
         ests = [self._estimate(seqs[i].slot, sources[i], seqs[i].params.greedy) for i in joint]
@@ -382,7 +392,7 @@ class KPolicy:
         if best_k and catchup:
             # Tokens per second with speculation (best) vs without (plain), over all tokens still to come.
             plain = len(joint) / self.costs.c_p(1, batch)
-            if sum(remaining[i] for i in joint) * (1 / plain - 1 / best) <= catchup:
+            if sum(horizons[i] for i in joint) * (1 / plain - 1 / best) <= catchup:
                 best_k = 0
         best_k = ests[0].track(best_k)          # the batch's probing state rides on its first sequence
         for i in joint:
@@ -397,6 +407,10 @@ class KPolicy:
         shared = self.shared.setdefault((source, est.regime), [prior_rate(source)] * self.k_max)
         for i in range(min(accepted + 1, proposed)):
             shared[i] = (1 - SHARED_EMA) * shared[i] + SHARED_EMA * (1.0 if i < accepted else 0.0)
+
+    def finished(self, generated: int, capped: bool) -> None:
+        """An answer ended after `generated` tokens, by a stop or by its max_tokens (`capped`)."""
+        self.lengths.record(generated, capped)
 
     def forget_slot(self, slot: int) -> None:
         for key in [key for key in self.estimates if key[0] == slot]:
