@@ -104,6 +104,61 @@ def test_a_prompt_found_whole_in_the_prefix_cache_is_not_computed_again(monkeypa
     assert widths and max(widths) == 1
 
 
+def test_a_prompt_the_draft_already_holds_is_not_fed_to_the_draft_again(monkeypatch):
+    """A repeated prompt (a document asked about again, a conversation's history): the draft starts
+    past the blocks an earlier sequence's draft filled, so it is fed only the last token and its own
+    drafts — and it drafts exactly what it drafted the first time (same tokens accepted)."""
+    from verispec.models.runner import ModelRunner
+
+    llm, engine = make("draft", 3, block_size=4, kv_budget_mb=4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = list(range(10, 51))
+    spec = {}
+
+    def run(rid):
+        out = []
+
+        def sink(u):
+            out.extend(u.token_ids)
+            if u.finish_reason:
+                spec[rid] = u.spec
+        engine.add(Request(rid, [prompt], params, sink))
+        while engine.has_work:
+            engine.step()
+        return out
+
+    first = run("a")
+    fed = []
+    forward = ModelRunner.forward
+    monkeypatch.setattr(ModelRunner, "forward",
+                        lambda self, slots, chunks, *a, **kw: (fed.append(max(map(len, chunks)))
+                                                               if self is engine.proposer.runner else None)
+                        or forward(self, slots, chunks, *a, **kw))
+    second = run("b")
+    assert second == first == llm.generate([prompt], params)[0].token_ids
+    assert fed and max(fed) <= 2                     # never the prompt again: its last token, then drafts
+    assert spec["b"]["accepted"] == spec["a"]["accepted"] and spec["b"]["k_histogram"] == spec["a"]["k_histogram"]
+
+
+def test_a_cache_forgets_what_it_wrote_in_a_block_handed_out_afresh():
+    from verispec.models.paged_cache import PagedKVCache
+    from conftest import tiny_config
+
+    pool = BlockPool(num_blocks=6, block_size=4)
+    cache = PagedKVCache(tiny_config(), 6, 4, pool.tables, block_epochs=pool.epochs)
+    tokens = list(range(9))
+    pool.admit(1, tokens, 9)
+    cache.mark_written(1, 9)                          # two full blocks (the third is partial)
+    pool.register(1, tokens, 8)
+    pool.release(1)
+    pool.admit(2, tokens, 9)                          # the same prompt: both blocks shared
+    assert cache.written_prefix(2) == 8
+    pool.release(2)
+    pool.evict_cached()
+    pool.admit(3, [99] * 9, 12)                       # other tokens in the same blocks
+    assert cache.written_prefix(3) == 0
+
+
 def test_abort_frees_blocks():
     llm, engine = make("ngram", "auto", block_size=4, kv_budget_mb=4)
     engine.add(Request("x", [PROMPTS[2]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),

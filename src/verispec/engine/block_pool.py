@@ -8,6 +8,8 @@ would silently change outputs). Full committed blocks are registered under
 their hash; a new sequence whose prompt starts with registered blocks shares them (reference
 counts) instead of prefilling them again. A block whose last holder leaves keeps its contents and
 its hash and waits in an LRU list: it is revived by a later hit or evicted when space runs out.
+`epochs` counts the times each block was handed out for new contents, so a cache that stamped a
+block when it filled it can tell later whether its entries are still there (paged_cache.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class BlockPool:
         self.hash_of: dict[int, bytes] = {}
         self.tables: dict[int, list[int]] = {}                        # slot -> block ids (shared with caches)
         self.registered: dict[int, int] = {}                          # slot -> leading blocks already hashed
+        self.epochs: dict[int, int] = {}                              # block -> times handed out afresh
         self.hits = 0                                                 # prompt blocks served from the prefix cache
         self.queries = 0
 
@@ -133,6 +136,7 @@ class BlockPool:
         blocks = [self.free.pop() for _ in range(n)]
         for b in blocks:
             self.refs[b] = 1
+            self.epochs[b] = self.epochs.get(b, 0) + 1
         return blocks
 
     def give_back(self, blocks: list[int]) -> None:
@@ -155,6 +159,7 @@ class BlockPool:
             b, _ = self.cached.popitem(last=False)                    # evict the least recently used
             del self.by_hash[self.hash_of.pop(b)]
         self.refs[b] = 1
+        self.epochs[b] = self.epochs.get(b, 0) + 1
         return b
 
     def _hold(self, b: int) -> None:

@@ -106,7 +106,7 @@ class Engine:
 
         def runner(model: Transformer) -> ModelRunner:
             return ModelRunner(model, cache=PagedKVCache(model.config, num_blocks, block_size, self.pool.tables,
-                                                         model.dtype, model.device, kv_dtype))
+                                                         model.dtype, model.device, kv_dtype, self.pool.epochs))
 
         self.target = runner(target)
         self.forks = Forks(self.pool, self.target.cache)

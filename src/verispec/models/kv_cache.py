@@ -109,6 +109,15 @@ class StoredKV:
     def v(self) -> torch.Tensor:
         return self.store.v
 
+    def mark_written(self, slot: int, length: int) -> None:
+        """This model's entries for the slot's first `length` positions hold its committed tokens
+        (what a later sequence sharing those positions may reuse; paged caches only)."""
+
+    def written_prefix(self, slot: int) -> int:
+        """Leading positions of the slot whose entries this model already holds from an earlier
+        sequence with the same tokens there (paged caches: shared prefix blocks); 0 here."""
+        return 0
+
 
 class KVCache(StoredKV):
     """Per-layer K/V storage of shape (num_layers, num_slots, num_kv_heads, max_len, head_dim)."""

@@ -5,6 +5,13 @@ the speculative round do not know which one they use. Slots are sequence ids; th
 owned by the scheduler's block pool and shared by reference between the target's and the draft's
 caches (the draft caches a prefix of the same tokens at the same positions, so one table serves both).
 
+A block shared through the prefix cache holds the target's entries; the draft's are there only if a
+draft wrote them. Each cache therefore remembers which blocks it filled (`mark_written`), stamped
+with the pool's count of the times each block was handed out afresh (`block_epochs`): a block taken
+for new contents gets a new count, and the old stamp no longer matches. A sequence whose prompt
+starts with blocks the draft filled (a conversation's history, a document asked about again) then
+starts the draft past them (`written_prefix`) instead of prefilling them into it again.
+
 Block 0 is the null block: never allocated, it pads short tables in a batched gather and is always
 masked out because a query at position t only sees keys at positions <= t. Padding tokens of a
 ragged batch that fall beyond a sequence's table write into it too; nothing real ever reads them.
@@ -26,13 +33,15 @@ class PagedKVCache(StoredKV):
 
     def __init__(self, config, num_blocks: int, block_size: int, block_tables: dict[int, list[int]],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, block_epochs: dict[int, int] | None = None):
         shape = (config.num_layers, num_blocks, config.num_kv_heads, block_size, config.head_dim)
         self.store = KVStore(shape, kv_dtype or dtype, device)
         self.dtype = dtype
         self.block_size = block_size
         self.block_tables = block_tables          # slot -> block ids, owned by the block pool
         self.lengths: dict[int, int] = defaultdict(int)   # slot -> committed tokens
+        self.block_epochs = block_epochs          # block -> times handed out afresh, owned by the block pool
+        self.written: dict[int, int] = {}         # block -> its epoch when this cache's entries filled it
 
     @staticmethod
     def bytes_per_block(config, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -48,6 +57,22 @@ class PagedKVCache(StoredKV):
 
     def drop(self, slot: int) -> None:
         self.lengths.pop(slot, None)
+
+    def mark_written(self, slot: int, length: int) -> None:
+        if self.block_epochs is None:
+            return
+        for b in self.block_tables.get(slot, ())[: length // self.block_size]:     # full blocks only
+            self.written[b] = self.block_epochs.get(b, 0)
+
+    def written_prefix(self, slot: int) -> int:
+        if self.block_epochs is None:
+            return 0
+        n = 0
+        for b in self.block_tables.get(slot, ()):
+            if self.written.get(b, -1) != self.block_epochs.get(b, 0):
+                break
+            n += 1
+        return n * self.block_size
 
     def view(self, slots: list[int], positions: torch.Tensor) -> "PagedCacheView":
         return PagedCacheView(self, slots, positions, int(positions.max()) + 1)

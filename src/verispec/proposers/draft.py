@@ -5,7 +5,9 @@ length per slot. The draft is filled lazily: a sequence's prompt is prefilled in
 first time a round asks it for drafts, so rounds with K = 0 cost the draft nothing. Each propose
 first catches up on what the draft has not yet ingested — normally just the pending token, or the
 last accepted draft plus the bonus token after a round in which all K were accepted — then one
-token per step.
+token per step. A sequence whose prompt starts with blocks a draft already filled for an earlier
+sequence (the engine's prefix cache: a conversation's history, a document asked about again)
+starts past them (`KVCache.written_prefix`).
 """
 
 from __future__ import annotations
@@ -33,11 +35,24 @@ class DraftModelProposer(Proposer):
         self.vocab = vocab
         self.runner: ModelRunner | None = None
         self.written: dict[int, int] = {}
+        self.resumed: set[int] = set()          # slots whose shared prefix was looked up
 
     def start(self, make_runner):
         self.runner = make_runner(self.draft)
 
+    def _resume(self, seq) -> None:
+        """A new sequence starts the draft past the leading blocks an earlier draft filled with the
+        same tokens (never past its last token, which the first step feeds)."""
+        if seq.slot in self.resumed or self.runner is None:
+            return
+        self.resumed.add(seq.slot)
+        if self.runner.length(seq.slot) == 0:
+            start = min(self.runner.cache.written_prefix(seq.slot), len(seq.tokens) - 1)
+            if start > 0:
+                self.runner.cache.set_length(seq.slot, start)
+
     def backlog(self, seq) -> int:
+        self._resume(seq)
         unseen = len(seq.tokens) - (self.runner.length(seq.slot) if self.runner is not None else 0)
         return unseen if unseen > 2 else 0          # 1–2 unseen tokens are part of a normal step
 
@@ -66,6 +81,8 @@ class DraftModelProposer(Proposer):
         gens = [s.generator for s in seqs]
         # Catch up (lazy prefill) on all but the pending token where more than a round's worth is unseen.
         t0 = time.perf_counter()
+        for s in seqs:
+            self._resume(s)
         behind = [s for s, k in zip(seqs, ks) if k and self.backlog(s)]
         caught = sum(self.backlog(s) for s in behind)
         if behind:
@@ -104,14 +121,18 @@ class DraftModelProposer(Proposer):
         for s in seqs:
             # Valid draft cache = what it wrote, cut back to the committed prefix (rollback by length).
             written = self.written.get(s.slot, self.runner.length(s.slot))
-            self.runner.cache.set_length(s.slot, min(written, len(s.tokens) - 1))
+            length = min(written, len(s.tokens) - 1)
+            self.runner.cache.set_length(s.slot, length)
+            self.runner.cache.mark_written(s.slot, length)     # committed tokens: reusable by a later prompt
 
     def release(self, slots):
         for slot in slots:
             self.written.pop(slot, None)
+            self.resumed.discard(slot)
             if hasattr(self.runner.cache, "drop"):
                 self.runner.cache.drop(slot)
 
     def reset(self):
         self.runner = None
         self.written = {}
+        self.resumed = set()
