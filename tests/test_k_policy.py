@@ -386,6 +386,22 @@ def test_width_ratios_are_measured_once_and_then_read_back(tmp_path, monkeypatch
     assert set(calibrate.width_ratios(model, "tiny", widths=(2, 4), repeats=1)) == {2, 4}
 
 
+def test_one_calibration_stored_keeps_the_others(tmp_path, monkeypatch):
+    """The target's pass widths and the draft's step share one calibration file: storing one must not
+    drop the other (else each process measured both again, a few noisy seconds each time)."""
+    from conftest import tiny_model
+    from verispec.engine import calibrate
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    target, draft = tiny_model(0), tiny_model(1)
+    widths = calibrate.width_ratios(target, "tiny", widths=(2, 4), repeats=1)
+    step = calibrate.draft_step_ratio(target, draft, "tiny|draft", repeats=1)
+    monkeypatch.setattr(calibrate, "pass_costs", lambda *a, **k: pytest.fail("widths measured twice"))
+    monkeypatch.setattr(calibrate, "alternated_steps", lambda *a, **k: pytest.fail("draft measured twice"))
+    assert calibrate.width_ratios(target, "tiny", widths=(2, 4)) == widths
+    assert calibrate.draft_step_ratio(target, draft, "tiny|draft") == step
+
+
 def test_a_rebuilt_kernel_is_calibrated_again(tmp_path, monkeypatch):
     """Ratios measured with one kernel build are not reused with another (a kernel change moves them)."""
     from conftest import tiny_model

@@ -145,13 +145,16 @@ def _calibrated(key: str, measure) -> dict:
     path = cache_dir() / "calibration.json"
     try:
         stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    stored = stored if isinstance(stored, dict) else {}     # other keys' entries are kept when one is added
+    try:
         entry = {k: float(v) for k, v in stored[full_key].items()}
         if entry and all(v > 0 for v in entry.values()):
             return entry
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        stored = {}
+    except (KeyError, ValueError, TypeError, AttributeError):
+        pass
     entry = measure()
-    stored = stored if isinstance(stored, dict) else {}
     stored[full_key] = entry
     write_json(path, stored)                                 # a read-only cache: measure again next time
     return entry
