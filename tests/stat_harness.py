@@ -33,7 +33,8 @@ def exact_marginals(P: torch.Tensor, n: int) -> list[np.ndarray]:
 
 def run_speculative(P: torch.Tensor, Q: torch.Tensor, k: int, n: int, samples: int, seed: int,
                     accept=accept_sampling, q_for_acceptance: torch.Tensor | None = None,
-                    point_mass: bool = False, heads: bool = False, heads_report_chain: bool = False) -> np.ndarray:
+                    point_mass: bool = False, heads: bool = False, heads_report_chain: bool = False,
+                    stop_below: float = 0.0, stop_reported_as_k: bool = False) -> np.ndarray:
     """Generate `samples` sequences of n tokens by speculative rounds; return (samples, n) tokens.
 
     The draft samples from Q; acceptance sees `q_for_acceptance` (default Q) — passing something
@@ -41,6 +42,9 @@ def run_speculative(P: torch.Tensor, Q: torch.Tensor, k: int, n: int, samples: i
     heads: every draft of a round is drawn from Q given the token before the round only (as Medusa
     heads draft: none sees the others' guesses). heads_report_chain: broken on purpose — such drafts
     reported to acceptance with the q of a chain (given the previous draft).
+    stop_below: a row stops drafting after a draft whose q's largest probability is below it (the
+    draft model's early stop: fewer than k drafts, decided by the drafts alone). stop_reported_as_k:
+    broken on purpose — the rows that stopped are still reported as k drafts long (padding verified).
     """
     v = P.shape[-1]
     gen = torch.Generator().manual_seed(seed)
@@ -59,6 +63,7 @@ def run_speculative(P: torch.Tensor, Q: torch.Tensor, k: int, n: int, samples: i
         q = torch.empty(b, k, v)
         p = torch.empty(b, k + 1, v)
         cur = prev
+        num = torch.full((b,), k)
         for i in range(k + 1):
             p[:, i] = P[pos + i, cur]
             if i == k:
@@ -67,7 +72,13 @@ def run_speculative(P: torch.Tensor, Q: torch.Tensor, k: int, n: int, samples: i
             drafts[:, i] = torch.multinomial(probs, 1, generator=gen).squeeze(1)
             q[:, i] = qa[pos + i, prev if heads and not heads_report_chain else cur]
             cur = drafts[:, i]
-        res = accept(p, drafts, None if point_mass else q, torch.full((b,), k), [gen] * b)
+            if stop_below > 0:
+                stopped = num <= i                                        # rows that already stopped
+                drafts[stopped, i], q[stopped, i] = 0, 0.0                # padding, as a ragged round has
+                num = torch.where(~stopped & (probs.amax(-1) < stop_below), torch.full_like(num, i + 1), num)
+        if stop_reported_as_k:
+            num = torch.full((b,), k)
+        res = accept(p, drafts, None if point_mass else q, num, [gen] * b)
         cols = pos[:, None] + torch.arange(k + 1)[None, :]                # (b, K+1)
         keep = res.tokens >= 0
         out[active[:, None].expand_as(cols)[keep], cols[keep]] = res.tokens[keep]

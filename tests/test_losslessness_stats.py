@@ -129,3 +129,18 @@ def test_head_drafts_stay_exact_and_a_head_reported_as_a_chain_is_caught():
     Q = torch.softmax(random_tables(22, N_TOKENS + k + 1, V), -1)
     assert_matches_target(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=23, heads=True))
     assert is_biased(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=23, heads=True, heads_report_chain=True))
+
+
+@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(top_k=4)])
+def test_a_draft_that_stops_when_unsure_stays_exact_and_padding_verified_is_caught(warp):
+    """The draft model's early stop (proposers/draft.py): a row drafts until a draft's q has no token
+    above 0.6, so rows end after 1 … k drafts, decided by the drafts alone — still an exact sample
+    from p (here q has no token above 0.6 at 38–57 % of steps). Broken on purpose: reporting every row as k drafts long, so the padding after a stop is
+    verified as if it had been drafted."""
+    k = 4
+    P = warp_table(random_tables(31, N_TOKENS + k + 1, V, sharp=3.0), **warp)
+    Q = warp_table(random_tables(32, N_TOKENS + k + 1, V), **warp)
+    stops = run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=33, stop_below=0.6)
+    assert_matches_target(P, stops)
+    assert is_biased(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=33, stop_below=0.6,
+                                        stop_reported_as_k=True))

@@ -191,3 +191,23 @@ def test_non_finite_scores_fail_loudly_instead_of_sampling_garbage(proposer, tem
     llm = LLM(target, draft=draft if proposer == "draft" else None, proposer=proposer, k=2)
     with pytest.raises(NonFiniteOutput, match="NaN or infinite"):
         llm.generate([[1, 2, 3]], SamplingParams(temperature=temperature, max_tokens=4, seed=0))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_draft_that_stops_when_unsure_drafts_less_and_changes_nothing(pair, temperature):
+    """draft_stop: a row stops drafting after a token the draft gave less than that probability — fewer
+    drafts per round, greedy output still plain decoding's (sampling: tests/test_losslessness_stats.py)."""
+    target, draft = pair
+    params = SamplingParams(temperature=temperature, max_tokens=24, seed=5)
+    always = LLM(target, draft=draft, proposer="draft", k=4, draft_stop=0).generate(PROMPTS, params)
+    unsure = LLM(target, draft=draft, proposer="draft", k=4, draft_stop=0.9).generate(PROMPTS, params)
+    def per_round(outs):
+        return sum(o.spec["proposed"] for o in outs) / sum(o.spec["rounds"] for o in outs)
+
+    assert per_round(unsure) < 0.8 * per_round(always)
+    if temperature == 0:
+        assert [o.token_ids for o in unsure] == [o.token_ids for o in always] == plain_outputs(target, params)
+    from verispec.errors import VerispecError
+    for bad in (1.0, -0.1, float("nan"), "0.5", True):
+        with pytest.raises(VerispecError, match="draft_stop"):
+            LLM(target, draft=draft, proposer="draft", k=4, draft_stop=bad)

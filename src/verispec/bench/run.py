@@ -65,17 +65,18 @@ def parse_modes(modes: list[str], ks: list[int | str]) -> list[Mode]:
 def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[BenchPrompt], modes: list[Mode],
               temperatures: list[float], max_tokens: int, repeats: int, batch_sizes: list[int] = (1,),
               seed: int = 0, progress=True, peers: list | None = None, draft_vocab: int | str = "auto", head: str | None = None,
-              kv_dtype: str = "auto") -> dict:
+              kv_dtype: str = "auto", draft_stop: float | str = "auto") -> dict:
     """peers: HFPeer-like modes (bench/peers.py) run on the same prompts, interleaved, batch size 1.
     progress: True (a line on stderr), False, or a callable (done, total, description).
-    draft_vocab: the draft modes' truncated vocabulary ("auto", or N; 0 = full); kv_dtype: every mode's KV cache format."""
+    draft_vocab: the draft modes' truncated vocabulary ("auto", or N; 0 = full); kv_dtype: every mode's KV cache format;
+    draft_stop: the draft model's early stop (proposers/draft.py)."""
     if head is None and any(m.needs_heads for m in modes):
         from verispec.heads import shipped_heads
 
         head = shipped_heads(target.name)
     llms = {m: LLM(target, draft=draft if m.needs_draft else None, proposer=m.proposer, k=m.k,
                    draft_vocab=draft_vocab if m.needs_draft else 0, kv_dtype=kv_dtype,
-                   head=head if m.needs_heads else None, branches=m.branches)
+                   head=head if m.needs_heads else None, branches=m.branches, draft_stop=draft_stop)
             for m in modes}
     plain_llm = llms[modes[0]]
     texts = [p.render(plain_llm) for p in prompts]

@@ -97,7 +97,8 @@ def run(args) -> int:
     with progress_bar() as progress:
         result = run_bench(target, draft, prompts, modes, _floats(args.temperatures), args.max_tokens,
                            args.repeats, _ints(args.batch_sizes), peers=peers, progress=progress,
-                           draft_vocab=args.draft_vocab, kv_dtype=args.kv_dtype, head=args.head)
+                           draft_vocab=args.draft_vocab, kv_dtype=args.kv_dtype, head=args.head,
+                           draft_stop=args.draft_stop)
     result["command"] = invocation()
     print_summary(result)
     if args.plot:

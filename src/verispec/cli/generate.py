@@ -84,6 +84,9 @@ def add_model_args(p) -> None:
                    help="let the draft model propose only the N most frequent tokens (its LM head reads N rows "
                         "instead of all; output unchanged: the target verifies over its whole vocabulary). "
                         "auto (default): 32768 for a draft model; 0 = the full vocabulary")
+    p.add_argument("--draft-stop", type=parse_draft_stop, default="auto", metavar="P",
+                   help="the draft model stops drafting for a round after a token it gave less than P "
+                        "(auto, the default: 0.6, measured; 0 = always draft K; output unchanged)")
     p.add_argument("--branches", type=parse_branches, default="auto",
                    help="alternative continuations lookup verifies beside each draft in the same pass (a token "
                         "tree): 'auto' (default) when they pay at the measured costs, or an integer 0 … 4 "
@@ -113,6 +116,20 @@ def parse_draft_vocab(text: str) -> int | str:
     raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number, got {text!r}")
 
 
+def parse_draft_stop(text: str) -> float | str:
+    import argparse
+
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if 0 <= value < 1:
+        return value
+    raise argparse.ArgumentTypeError(f"expected 'auto' or a probability in [0, 1), got {text!r}")
+
+
 def parse_branches(text: str) -> int | str:
     import argparse
 
@@ -128,7 +145,7 @@ def build_llm(args):
 
     return LLM(model=args.model, draft=args.draft, proposer=args.proposer, k=args.k, dtype=args.dtype,
                draft_dtype=args.draft_dtype, device=args.device, progress=True, corpus=args.corpus, draft_vocab=args.draft_vocab,
-               kv_dtype=args.kv_dtype, head=args.head, branches=args.branches)
+               kv_dtype=args.kv_dtype, head=args.head, branches=args.branches, draft_stop=args.draft_stop)
 
 
 def run(args) -> int:

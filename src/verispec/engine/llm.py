@@ -84,7 +84,7 @@ class LLM:
                  progress: bool = False, ngram_n: tuple[int, int] = (3, 1), k_max: int = K_MAX,
                  corpus: Seq[str | os.PathLike] | Seq[list[int]] | None = None, draft_vocab: int | str = "auto",
                  kv_dtype: str = "auto", head: str | os.PathLike | None = None, branches: int | str = "auto",
-                 draft_dtype: str = "auto"):
+                 draft_dtype: str = "auto", draft_stop: float | str = "auto"):
         if proposer is not None and proposer not in REGISTRY:
             raise VerispecError(f"unknown proposer {proposer!r}; choose one of {', '.join(sorted(REGISTRY))}")
         if k != "auto" and (not isinstance(k, int) or not 0 <= k <= K_MAX):
@@ -100,7 +100,11 @@ class LLM:
                 parse_dtype(value)                      # an unknown format fails here, before any load
         if branches != "auto" and (not isinstance(branches, int) or not 0 <= branches <= MAX_ALTERNATIVES):
             raise VerispecError(f"branches must be 'auto' or an integer in 0 … {MAX_ALTERNATIVES}, got {branches!r}")
+        if draft_stop != "auto" and (isinstance(draft_stop, bool) or not isinstance(draft_stop, (int, float))
+                                     or not 0 <= draft_stop < 1):
+            raise VerispecError(f"draft_stop must be 'auto' or a probability in [0, 1), got {draft_stop!r}")
         self.branches = branches
+        self.draft_stop = None if draft_stop == "auto" else float(draft_stop)    # None: the measured default
         self.target: LoadedModel = _load(model, dtype, device, progress)
         self.kv_dtype = kv_auto_dtype(self.target.model) if kv_dtype == "auto" else KV_DTYPES[kv_dtype]
         self.tokenizer = self.target.tokenizer
@@ -228,13 +232,13 @@ class LLM:
         if self.proposer_name == "head":
             return factory(self.heads, self.target.model)
         if self.proposer_name == "draft":
-            return factory(self.draft.model, self.target.config.vocab_size, self.draft_vocab)
+            return factory(self.draft.model, self.target.config.vocab_size, self.draft_vocab, self.draft_stop)
         if self.proposer_name == "hybrid" and self.heads is not None:
             return factory(REGISTRY["head"](self.heads, self.target.model), self.target.config.vocab_size,
                            *self._ngram_n, k_max=self.policy.k_max, compare=self._heads_first_acceptance())
         if self.proposer_name == "hybrid":
             return factory(self.draft.model, self.target.config.vocab_size, *self._ngram_n, k_max=self.policy.k_max,
-                           vocab=self.draft_vocab)
+                           vocab=self.draft_vocab, stop_below=self.draft_stop)
         if self.proposer_name == "ngram":
             return factory(*self._ngram_n, k_max=self.policy.k_max)
         if self.proposer_name == "retrieval":

@@ -8,6 +8,12 @@ last accepted draft plus the bonus token after a round in which all K were accep
 token per step. A sequence whose prompt starts with blocks a draft already filled for an earlier
 sequence (the engine's prefix cache: a conversation's history, a document asked about again)
 starts past them (`KVCache.written_prefix`).
+
+A row stops drafting early when the draft is unsure: after a step whose distribution's largest
+probability is below `stop_below` (at temperature 1 for greedy rows, the warped q for sampled
+ones), that step's token is the row's last draft this round. The draft length is then a stopping
+time of the draft's own process — it never looks at the target — so acceptance stays exact
+(DESIGN: the number of drafts may depend on the drafts).
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ from verispec.proposers.base import Proposal, Proposer, register
 from verispec.sampling import sample_from, warp_probs
 
 
+# A row's drafting stops after a step whose largest probability is below this (measured on the bundled
+# suite with `hybrid`, docs/PERFORMANCE_LOG.md).
+STOP_BELOW = 0.6
+
+
 @register("draft")
 class DraftModelProposer(Proposer):
     """vocab: a truncated draft vocabulary (N token ids, `draft_vocab.frequent_tokens`): the draft's LM
@@ -29,7 +40,12 @@ class DraftModelProposer(Proposer):
     stays exact — the target verifies over its full vocabulary, and a rejection recovers from
     norm(max(0, p − q)), which covers every token the draft cannot propose."""
 
-    def __init__(self, draft: Transformer, target_vocab: int, vocab: torch.Tensor | None = None):
+    def __init__(self, draft: Transformer, target_vocab: int, vocab: torch.Tensor | None = None,
+                 stop_below: float | None = None):
+        stop_below = STOP_BELOW if stop_below is None else stop_below
+        if not 0.0 <= stop_below < 1.0:
+            raise ValueError(f"stop_below must be in [0, 1), got {stop_below!r}")
+        self.stop_below = stop_below
         self.draft = draft
         self.target_vocab = target_vocab
         self.vocab = vocab
@@ -90,8 +106,12 @@ class DraftModelProposer(Proposer):
         t1 = time.perf_counter()
         # Step 0 ingests what the draft has not seen; later steps feed the previous proposal.
         chunks = [s.tokens[self.runner.length(s.slot):] for s in seqs]
+        ks, steps = list(ks), 0
         for i in range(k_max):
             active = [j for j in range(b) if ks[j] > i]
+            if not active:                     # every row stopped early
+                break
+            steps += 1
             slots = [seqs[j].slot for j in active]
             logits = self.runner.forward(slots, [chunks[j] for j in active], [[len(chunks[j]) - 1] for j in active],
                                          self.vocab)                                  # (A, 1, V or N)
@@ -109,12 +129,19 @@ class DraftModelProposer(Proposer):
                 else:                          # q is zero off the subset
                     q[a[:, None], i, self.vocab[None, :]] = probs
             tokens[a, i] = picked if self.vocab is None else self.vocab[picked]    # subset indices -> token ids
+            if self.stop_below > 0 and i + 1 < k_max:
+                sure = (probs if q is not None else torch.softmax(logits[:, 0].float(), -1)).amax(-1)    # (A,)
+                for j, unsure in zip(active, (sure < self.stop_below).tolist()):
+                    if unsure:
+                        ks[j] = i + 1          # this step's token is the row's last draft
             chunks = [[int(tokens[j, i])] if ks[j] > i else [] for j in range(b)]
+        width = max(ks)                        # rows that stopped early may leave the round narrower
+        tokens, q = tokens[:, :width], (q[:, :width] if q is not None else None)
         # The last proposal was never fed: the draft's cache now covers tokens + x̃_0 … x̃_{k-2}.
         self.written = {s.slot: self.runner.length(s.slot) for s in seqs}
         # The cost model gets the per-token drafting cost; catching up after K = 0 rounds is a
         # one-off that would otherwise make drafting look dearer than it is and keep K at 0.
-        return Proposal(tokens, torch.tensor(ks), q, steps={"draft": (k_max, time.perf_counter() - t1)},
+        return Proposal(tokens, torch.tensor(ks), q, steps={"draft": (steps, time.perf_counter() - t1)},
                         catchup={"draft": (caught, t1 - t0)} if caught else None)
 
     def observe(self, seqs, num_accepted):

@@ -25,13 +25,16 @@ PRIOR_ROUNDS = 8
 @register("hybrid")
 class HybridProposer(Proposer):
     def __init__(self, draft: Transformer | Proposer, target_vocab: int, n_max: int = 3, n_min: int = 1,
-                 k_max: int = 64, vocab: torch.Tensor | None = None, compare: float | None = None):
+                 k_max: int = 64, vocab: torch.Tensor | None = None, compare: float | None = None,
+                 stop_below: float | None = None):
         """draft: the draft model (with its truncated vocabulary `vocab`), or a ready proposer to fall
         back on (the heads proposer). compare: for a fallback as cheap as lookup (heads), its prior
         first-draft acceptance — then a match is used only when its bucket's first drafts are accepted
         at least as often as the fallback's (both learned from the rounds, pooled over sequences);
-        None: every match is used (a draft model costs far more than a lookup)."""
-        self.draft = draft if isinstance(draft, Proposer) else DraftModelProposer(draft, target_vocab, vocab)
+        None: every match is used (a draft model costs far more than a lookup). stop_below: the draft
+        model's early stop (proposers/draft.py)."""
+        self.draft = draft if isinstance(draft, Proposer) else DraftModelProposer(draft, target_vocab, vocab,
+                                                                                   stop_below)
         self.fallback = self.draft.name
         self.wants_states = self.draft.wants_states
         self.state_window = self.draft.state_window
