@@ -128,11 +128,15 @@ def test_greedy_speculative_equals_plain_on_the_native_pass(fmt):
     assert target.model._native is not None or not kernels.available()
     from verispec.heads import shipped_heads
 
+    default = LLM(target)                        # lookup, else the paired 0.5B draft (loaded by name), K auto
+    assert default.proposer_name == "hybrid" and default.draft is not None and default.heads is None
     for llm in (LLM(target, draft=draft, proposer="draft", k=4), LLM(target, draft=draft, proposer="draft", k=3,
                                                                    draft_vocab=32768),
+                LLM(target, draft=draft, proposer="draft", k=4, draft_stop=0),
                 LLM(target, proposer="ngram", k=6),
                 LLM(target, proposer="head", k=4),
-                LLM(target, proposer="hybrid", head=shipped_heads(target.name), k="auto")):
+                LLM(target, proposer="hybrid", head=shipped_heads(target.name), k="auto"),
+                default):
         assert [o.token_ids for o in llm.generate(CODE_PROMPTS, params)] == plain
 
 

@@ -57,9 +57,9 @@ def add_model_args(p) -> None:
                    help="how drafts are proposed: draft (a small model), ngram (prompt lookup), head "
                         "(drafting heads on the target), hybrid (lookup when it matches, else the draft "
                         "model, or the heads with --head), retrieval (lookup in --corpus), none (plain "
-                        "decoding). Default (measured fastest on CPU): lookup, else the heads shipped for "
-                        "the target (hybrid with those heads); ngram for a target without shipped heads; "
-                        "draft when --draft is given")
+                        "decoding). Default (measured fastest on CPU): hybrid — lookup, else the target's "
+                        "paired draft model (the embedded 0.5B for the embedded 1.5B); for another target "
+                        "lookup, else its shipped heads, or ngram alone; draft when --draft is given")
     p.add_argument("--corpus", action="append", default=None, metavar="PATH",
                    help="text files or directories for --proposer retrieval (repeatable)")
     p.add_argument("--k", type=parse_k, default="auto",

@@ -18,7 +18,7 @@ from verispec.engine.params import SamplingParams
 from verispec.engine.scheduler import Entry
 from verispec.engine.sequence import Sequence
 from verispec.errors import InvalidRequest, VerispecError
-from verispec.loaders.builtin import DEFAULT_DRAFT, DEFAULT_TARGET
+from verispec.loaders.builtin import DEFAULT_DRAFT, DEFAULT_TARGET, PAIRED_DRAFTS
 from verispec.engine.loading import LoadedModel, draft_auto_dtype, kv_auto_dtype, load_model, parse_dtype
 from verispec.models import Transformer
 from verispec.models.kv_cache import KV_DTYPES
@@ -71,9 +71,10 @@ class RequestOutput:
 class LLM:
     """A target model, an optional draft model, and a proposer chosen by name.
 
-    Defaults (measured best on a 2-core CPU, docs/PERFORMANCE.md): the embedded 1.5B target,
-    int8 weights on CPU (bf16 elsewhere), prompt lookup (`ngram`) with k="auto"; passing a
-    draft selects the `draft` proposer.
+    Defaults (measured best on a 2-core CPU, docs/PERFORMANCE.md): the embedded 1.5B target, int4
+    weights on CPU (bf16 elsewhere), and with k="auto" `hybrid` — prompt lookup where the text
+    repeats, else the embedded 0.5B draft model; a target without a paired draft uses lookup, else
+    its shipped heads. Passing a draft selects the `draft` proposer.
 
     >>> llm = LLM()
     >>> out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
@@ -109,11 +110,15 @@ class LLM:
         self.kv_dtype = kv_auto_dtype(self.target.model) if kv_dtype == "auto" else KV_DTYPES[kv_dtype]
         self.tokenizer = self.target.tokenizer
         default_heads = False
-        if proposer is None:            # measured best on a 2-core CPU (docs/HEADS.md), with k="auto":
-            from verispec.heads import shipped_heads    # lookup, else the target's shipped heads
+        if proposer is None:            # measured best on a 2-core CPU (docs/PERFORMANCE_LOG.md), with k="auto":
+            from verispec.heads import shipped_heads    # lookup, else the paired draft model or the shipped heads
 
-            default_heads = draft is None and (head is not None or shipped_heads(self.target.name) is not None)
-            proposer = "draft" if draft is not None else "hybrid" if default_heads else "ngram"
+            paired = PAIRED_DRAFTS.get(self.target.name) if draft is None and head is None else None
+            default_heads = draft is None and paired is None and (
+                head is not None or shipped_heads(self.target.name) is not None)
+            draft = draft if paired is None else paired
+            proposer = "hybrid" if paired is not None else "draft" if draft is not None else \
+                "hybrid" if default_heads else "ngram"
         self.draft: LoadedModel | None = None
         if head is not None and proposer not in ("head", "hybrid"):
             raise VerispecError(f"a heads file drafts for --proposer head or hybrid, not {proposer}")

@@ -47,6 +47,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 }
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+# A target's draft model when none is named: the embedded pair shares its tokenizer and vocabulary.
+PAIRED_DRAFTS = {DEFAULT_TARGET: DEFAULT_DRAFT}
 
 
 @dataclass
