@@ -113,3 +113,26 @@ def test_auto_truncates_a_draft_models_vocabulary(monkeypatch):
     llm = LLM(tiny_text_model(0), draft=tiny_text_model(1), proposer="draft")
     assert llm.draft_vocab is not None and len(llm.draft_vocab) == 50
     assert LLM(tiny_text_model(0), draft=tiny_text_model(1), proposer="draft", draft_vocab=0).draft_vocab is None
+
+
+def test_a_draft_must_share_the_targets_tokenizer_and_one_file_is_taken_as_shared(tmp_path):
+    """Vocabularies are compared token by token, unless both tokenizers came from byte-identical files
+    (the embedded pair: the comparison took half a second of every load). A different tokenizer is an
+    error before anything is generated."""
+    from conftest import byte_tokenizer
+    from verispec.engine.llm import check_vocab_compatible
+    from verispec.loaders.tokenizer import TextTokenizer
+
+    target, draft = tiny_text_model(0), tiny_text_model(1)
+    check_vocab_compatible(target, draft)                                   # same vocabulary, built in memory
+    other = byte_tokenizer()
+    other.tokenizer.add_tokens(["<|extra|>"])
+    draft.tokenizer = other
+    with pytest.raises(VerispecError, match="different tokenizers"):
+        check_vocab_compatible(target, draft)
+    path = tmp_path / "tokenizer.json"
+    path.write_text(target.tokenizer.tokenizer.to_str())
+    target.tokenizer = TextTokenizer.from_files(path, {})
+    draft.tokenizer = TextTokenizer.from_files(path, {})
+    assert target.tokenizer.source_digest and target.tokenizer.source_digest == draft.tokenizer.source_digest
+    check_vocab_compatible(target, draft)

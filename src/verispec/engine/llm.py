@@ -373,7 +373,9 @@ def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     vt, vd = target.config.vocab_size, draft.config.vocab_size
     tt, td = target.tokenizer, draft.tokenizer
     if tt is not None and td is not None:
-        if tt.tokenizer.get_vocab(with_added_tokens=True) != td.tokenizer.get_vocab(with_added_tokens=True):
+        same_file = tt.source_digest and tt.source_digest == td.source_digest      # the embedded pair: one file
+        if not same_file and tt.tokenizer.get_vocab(with_added_tokens=True) != td.tokenizer.get_vocab(
+                with_added_tokens=True):
             raise VerispecError(f"draft {draft.name} and target {target.name} have different tokenizers; "
                                 "a draft must share the target's vocabulary")
         real = tt.vocab_size

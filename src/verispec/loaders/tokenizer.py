@@ -7,6 +7,7 @@ cache stores the result as `tokenizer.json`.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,10 +151,13 @@ class TextTokenizer:
     bos_token_id: int | None = None
     add_bos_token: bool = False
     _template: object = field(default=None, init=False, repr=False, compare=False)   # compiled chat template
+    # sha256 of the tokenizer.json it was read from ("" when built otherwise): equal files, equal vocabularies
+    source_digest: str = field(default="", repr=False, compare=False)
 
     @classmethod
     def from_files(cls, tokenizer_json: Path, info: dict) -> "TextTokenizer":
-        tok = Tokenizer.from_file(str(tokenizer_json))
+        raw = Path(tokenizer_json).read_bytes()
+        tok = Tokenizer.from_str(raw.decode("utf-8"))
         stops = set(int(i) for i in info.get("stop_token_ids", []))
         eos = info.get("eos_token_id")
         for e in (eos if isinstance(eos, list) else [eos]):
@@ -163,8 +167,10 @@ class TextTokenizer:
             tid = tok.token_to_id(text)
             if tid is not None:
                 stops.add(tid)
-        return cls(tok, info.get("chat_template"), sorted(stops), info.get("bos_token_id"),
+        made = cls(tok, info.get("chat_template"), sorted(stops), info.get("bos_token_id"),
                    bool(info.get("add_bos_token")))
+        made.source_digest = hashlib.sha256(raw).hexdigest()
+        return made
 
     @property
     def vocab_size(self) -> int:

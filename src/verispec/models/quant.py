@@ -53,6 +53,19 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
         self._torch_weight: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @classmethod
+    def empty(cls, linear: nn.Linear) -> "Int8Linear":
+        """A shell with the right buffer shapes (for loading cached weights); nothing is computed."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        n, k = linear.out_features, linear.in_features
+        self.in_features, self.out_features = k, n
+        self.register_buffer("weight", torch.empty(-(-n // kernels.BLOCK), -(-k // 2), 32, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(n))
+        self.register_buffer("bias", None if linear.bias is None else torch.empty(n))
+        self._torch_weight = None
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape                                                     # (..., K)
         x2 = x.reshape(-1, shape[-1])                                       # (M, K)
@@ -306,7 +319,8 @@ def quantize_linears(model: nn.Module, fmt: str, state: dict | None = None, pref
                 layer = (Int6Linear if isinstance(found, Q6Fields) else Int4Linear).from_fields(found, child.bias)
             elif fmt == "int4-all" and child.in_features % GROUP == 0:
                 layer = Int4Linear.from_linear(child)
-            setattr(model, name, layer if layer is not None else Int8Linear(child))
+            int8 = Int8Linear.empty if state is not None else Int8Linear
+            setattr(model, name, layer if layer is not None else int8(child))
         elif isinstance(child, nn.Embedding) and four and child.embedding_dim % GROUP == 0:
             if state is not None:
                 table = Int4Embedding.empty(child) if f"{full}.packed" in state else None

@@ -49,7 +49,10 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        # Built on the CPU even inside a meta-device context (a model built to be loaded): the meta
+        # device's arange is torch's reference implementation, whose first call imports torch._dynamo
+        # (~1.5 s of a load). `.to(device)` moves the buffer with the model.
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None       # cos, sin (P, D) float32
@@ -156,7 +159,13 @@ class Block(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if torch.get_default_device().type == "meta":
+            # A model built to be loaded: no random init (the meta device's normal_ is torch's reference
+            # implementation, whose first call imports torch._dynamo: ~1.8 s of every load).
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                             _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        else:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
