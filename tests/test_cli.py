@@ -50,3 +50,11 @@ def test_empty_prompt_on_stdin(monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("   \n"))
     assert main(["generate"]) == 2
     assert "empty prompt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "nan", "often"])
+def test_a_bad_draft_stop_is_refused_before_anything_loads(value, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["generate", "--draft-stop", value, "hi"])
+    assert stop.value.code == 2
+    assert "--draft-stop" in capsys.readouterr().err
