@@ -113,12 +113,14 @@ class LLM:
         if proposer is None:            # measured best on a 2-core CPU (docs/PERFORMANCE_LOG.md), with k="auto":
             from verispec.heads import shipped_heads    # lookup, else the paired draft model or the shipped heads
 
-            paired = PAIRED_DRAFTS.get(self.target.name) if draft is None and head is None else None
-            default_heads = draft is None and paired is None and (
-                head is not None or shipped_heads(self.target.name) is not None)
-            draft = draft if paired is None else paired
-            proposer = "hybrid" if paired is not None else "draft" if draft is not None else \
-                "hybrid" if default_heads else "ngram"
+            paired = PAIRED_DRAFTS.get(self.target.name)
+            if draft is not None:
+                proposer = "draft"
+            elif paired is not None and head is None:
+                proposer, draft = "hybrid", paired
+            else:
+                default_heads = head is not None or shipped_heads(self.target.name) is not None
+                proposer = "hybrid" if default_heads else "ngram"
         self.draft: LoadedModel | None = None
         if head is not None and proposer not in ("head", "hybrid"):
             raise VerispecError(f"a heads file drafts for --proposer head or hybrid, not {proposer}")

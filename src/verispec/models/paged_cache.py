@@ -42,6 +42,7 @@ class PagedKVCache(StoredKV):
         self.lengths: dict[int, int] = defaultdict(int)   # slot -> committed tokens
         self.block_epochs = block_epochs          # block -> times handed out afresh, owned by the block pool
         self.written: dict[int, int] = {}         # block -> its epoch when this cache's entries filled it
+        self.marked: dict[int, int] = {}          # slot -> leading blocks of its table already stamped
 
     @staticmethod
     def bytes_per_block(config, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -57,12 +58,16 @@ class PagedKVCache(StoredKV):
 
     def drop(self, slot: int) -> None:
         self.lengths.pop(slot, None)
+        self.marked.pop(slot, None)
 
     def mark_written(self, slot: int, length: int) -> None:
         if self.block_epochs is None:
             return
-        for b in self.block_tables.get(slot, ())[: length // self.block_size]:     # full blocks only
+        full = length // self.block_size                   # full blocks only; committed ones never change
+        table = self.block_tables.get(slot, ())
+        for b in table[self.marked.get(slot, 0): full]:     # each round stamps only the blocks it completed
             self.written[b] = self.block_epochs.get(b, 0)
+        self.marked[slot] = max(self.marked.get(slot, 0), min(full, len(table)))
 
     def written_prefix(self, slot: int) -> int:
         if self.block_epochs is None:

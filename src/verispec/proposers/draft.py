@@ -97,9 +97,7 @@ class DraftModelProposer(Proposer):
         gens = [s.generator for s in seqs]
         # Catch up (lazy prefill) on all but the pending token where more than a round's worth is unseen.
         t0 = time.perf_counter()
-        for s in seqs:
-            self._resume(s)
-        behind = [s for s, k in zip(seqs, ks) if k and self.backlog(s)]
+        behind = [s for s, k in zip(seqs, ks) if k and self.backlog(s)]     # backlog() resumes a new slot
         caught = sum(self.backlog(s) for s in behind)
         if behind:
             self.runner.extend([s.slot for s in behind], [s.tokens for s in behind])
