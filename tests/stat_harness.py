@@ -34,7 +34,7 @@ def exact_marginals(P: torch.Tensor, n: int) -> list[np.ndarray]:
 def run_speculative(P: torch.Tensor, Q: torch.Tensor, k: int, n: int, samples: int, seed: int,
                     accept=accept_sampling, q_for_acceptance: torch.Tensor | None = None,
                     point_mass: bool = False, heads: bool = False, heads_report_chain: bool = False,
-                    stop_below: float = 0.0, stop_reported_as_k: bool = False) -> np.ndarray:
+                    stop_below: float = 0.0, stop_reported_as_k: bool = False, two_sources: str = "") -> np.ndarray:
     """Generate `samples` sequences of n tokens by speculative rounds; return (samples, n) tokens.
 
     The draft samples from Q; acceptance sees `q_for_acceptance` (default Q) — passing something
@@ -45,6 +45,10 @@ def run_speculative(P: torch.Tensor, Q: torch.Tensor, k: int, n: int, samples: i
     stop_below: a row stops drafting after a draft whose q's largest probability is below it (the
     draft model's early stop: fewer than k drafts, decided by the drafts alone). stop_reported_as_k:
     broken on purpose — the rows that stopped are still reported as k drafts long (padding verified).
+    two_sources: each round a row drafts either by "lookup" (a point-mass chain, token t followed by
+    3t + 1 mod V) or from Q, as a hybrid does. "history": the choice reads the sequence so far alone
+    (lookup after an even token), as the K policy's choice does. "peek": broken on purpose — both
+    proposals are verified and the one that kept more drafts is taken (a choice that sees the target).
     """
     v = P.shape[-1]
     gen = torch.Generator().manual_seed(seed)
@@ -78,7 +82,31 @@ def run_speculative(P: torch.Tensor, Q: torch.Tensor, k: int, n: int, samples: i
                 num = torch.where(~stopped & (probs.amax(-1) < stop_below), torch.full_like(num, i + 1), num)
         if stop_reported_as_k:
             num = torch.full((b,), k)
-        res = accept(p, drafts, None if point_mass else q, num, [gen] * b)
+        if two_sources:
+            look = torch.empty(b, k, dtype=torch.long)
+            t = prev.clone()
+            for i in range(k):
+                t = (3 * torch.where(t == v, torch.zeros_like(t), t) + 1) % v
+                look[:, i] = t
+            q_look = torch.nn.functional.one_hot(look, v).float()          # (b, K, V) point masses
+            p_look = torch.empty(b, k + 1, v)
+            cur = prev
+            for i in range(k + 1):
+                p_look[:, i] = P[pos + i, cur]
+                cur = look[:, i] if i < k else cur
+            if two_sources == "history":
+                use = (prev % 2 == 0)[:, None, None]                       # (b, 1, 1): lookup rows
+                drafts = torch.where(use[..., 0], look, drafts)
+                q, p = torch.where(use, q_look, q), torch.where(use, p_look, p)
+            else:
+                from_q = accept(p, drafts, q, num, [gen] * b)
+                from_look = accept(p_look, look, q_look, num, [gen] * b)
+                better = from_look.num_accepted > from_q.num_accepted
+                from_q.tokens[better] = from_look.tokens[better]
+                from_q.num_accepted[better] = from_look.num_accepted[better]
+                res = from_q
+        if two_sources != "peek":
+            res = accept(p, drafts, None if point_mass else q, num, [gen] * b)
         cols = pos[:, None] + torch.arange(k + 1)[None, :]                # (b, K+1)
         keep = res.tokens >= 0
         out[active[:, None].expand_as(cols)[keep], cols[keep]] = res.tokens[keep]

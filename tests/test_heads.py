@@ -269,23 +269,27 @@ def test_the_default_proposer_is_lookup_then_the_targets_shipped_heads(monkeypat
     assert LLM(target, draft=target).proposer_name == "draft"
 
 
-def test_hybrid_with_heads_uses_a_match_only_where_lookup_is_right_more_often_than_the_heads():
-    """A 1-token match's first draft is right ~21 % of the time; heads that are right more often draft
-    instead, and what the rounds show moves the choice: a bucket whose drafts keep being accepted wins
-    the sequence back."""
+def test_hybrid_offers_its_match_and_its_heads_and_drafts_from_the_one_preferred():
+    """Where the suffix has a match the hybrid offers both sources (the K policy keeps the one it
+    values more, engine/k_policy.py choose_for); a preference holds until the sequence's tokens
+    change."""
     from types import SimpleNamespace
 
     from verispec.proposers.head import HeadProposer
     from verispec.proposers.hybrid import HybridProposer
 
     target = tiny_text_model(0)
-    seq = SimpleNamespace(pending_state=torch.zeros(C), tokens=[5, 6, 7, 5, 9, 1, 5], slot=0)   # suffix [5]: 1 token
-    assert HybridProposer(HeadProposer(random_heads(3), target.model), V).source_for(seq) == "ngram:1"
-    hybrid = HybridProposer(HeadProposer(random_heads(3), target.model), V, compare=0.6)
-    assert hybrid.source_for(seq) == "head"
-    low = HybridProposer(HeadProposer(random_heads(3), target.model), V, compare=0.1)
-    assert low.source_for(seq) == "ngram:1"
-    for _ in range(40):                                  # the 1-token matches turn out right every time
-        hybrid._used = {0: "ngram:1"}
-        hybrid.observe([seq], [1])
+    from verispec.engine.params import SamplingParams
+
+    seq = SimpleNamespace(pending_state=torch.zeros(C), tokens=[5, 6, 7, 5, 9, 1, 5], slot=0,  # suffix [5]: 1 token
+                          params=SamplingParams(temperature=0))
+    hybrid = HybridProposer(HeadProposer(random_heads(3), target.model), V)
+    assert hybrid.options(seq) == [("ngram:1", 0), ("head", 0)]
     assert hybrid.source_for(seq) == "ngram:1"
+    hybrid.prefer(seq, "head")
+    assert hybrid.source_for(seq) == "head"
+    assert hybrid.propose([seq], [2]).source == ["head"]
+    seq.tokens = seq.tokens + [6]                        # the next round: the match is used again
+    assert hybrid.source_for(seq) == "ngram:2"
+    no_state = SimpleNamespace(pending_state=None, tokens=[5, 6, 7, 5], slot=1)
+    assert hybrid.options(no_state) == [("ngram:1", 0)]  # heads without a state cannot draft

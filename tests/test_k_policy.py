@@ -516,3 +516,116 @@ def test_a_draft_catch_up_is_amortised_over_the_answer_expected_not_over_its_cap
                              params=SamplingParams(temperature=0.7, max_tokens=4000, seed=1))
     assert policy(12).choose_round([seeded], ["draft"], backlogs=[600]) == \
         policy(3000).choose_round([seeded], ["draft"], backlogs=[600])
+
+
+class TwoSources:
+    """A proposer that offers a lookup match and a draft model for every sequence (as a hybrid does)."""
+
+    def __init__(self, match: str, draft_backlog: int = 0):
+        self.match, self.draft_backlog, self.preferred = match, draft_backlog, {}
+
+    def options(self, seq):
+        return [(self.match, 0), ("draft", self.draft_backlog)]
+
+    def prefer(self, seq, source):
+        self.preferred[seq.slot] = source
+
+    def source_for(self, seq):
+        return self.preferred.get(seq.slot, self.match)
+
+    def backlog(self, seq):
+        return self.draft_backlog if self.source_for(seq) == "draft" else 0
+
+
+def two_source_policy() -> KPolicy:
+    p = KPolicy("auto", k_max=8)
+    for n in range(1, 10):
+        p.costs.record_verify(n, 0.03 * (1 + 0.1 * (n - 1)))
+    p.costs.record_propose("draft", 1, 0.008)                    # a draft step: ~0.27 of a pass
+    return p
+
+
+def test_a_short_match_gives_way_to_the_draft_and_a_long_one_does_not():
+    """A 1-token match's drafts are right ~20 % of the time, the draft's ~70 %: the draft's round
+    promises more tokens per second although lookup costs nothing; a match inside copied text
+    (≥ 16 tokens, ~85 %, free) promises more than the draft. What the rounds show moves the choice."""
+    from types import SimpleNamespace
+
+    from verispec.engine.params import SamplingParams
+
+    def seq(slot):
+        return SimpleNamespace(slot=slot, generated=[], params=SamplingParams(temperature=0, max_tokens=64))
+
+    p, short = two_source_policy(), TwoSources("ngram:1")
+    assert p.choose_for(short, [seq(0)]) != [0] and short.preferred[0] == "draft"
+    long_ = TwoSources("ngram:16+")
+    assert p.choose_for(long_, [seq(1)]) != [0] and long_.preferred[1] == "ngram:16+"
+    for _ in range(30):                                          # this sequence's 1-token matches keep being right
+        p.observe(2, "ngram:1", 3, 3)
+    assert p.choose_for(short, [seq(2)]) != [0] and short.preferred[2] == "ngram:1"
+    fixed = TwoSources("ngram:1")                                # fixed K: the proposer's own choice stands
+    KPolicy(3).choose_for(fixed, [seq(0)])
+    assert fixed.preferred == {}
+
+
+def test_a_draft_with_a_catch_up_that_does_not_pay_leaves_the_round_to_lookup():
+    """The draft has a 3,000-token prompt to prefill and the answer is expected to be short: its
+    round is worth plain decoding's, so a 2-token match (worth a little more) drafts."""
+    from types import SimpleNamespace
+
+    from verispec.engine.params import SamplingParams
+
+    p = two_source_policy()
+    p.costs.record_catchup("draft", 100, 100 * 0.003)
+    for _ in range(50):
+        p.finished(8, capped=False)
+    s = SimpleNamespace(slot=0, generated=[1], params=SamplingParams(temperature=0, max_tokens=4000))
+    both = TwoSources("ngram:2", draft_backlog=3000)
+    p.choose_for(both, [s])
+    assert both.preferred[0] == "ngram:2"
+    caught_up = TwoSources("ngram:2")
+    p.choose_for(caught_up, [s])
+    assert caught_up.preferred[0] == "draft"
+
+
+def test_a_seeded_request_chooses_its_source_without_reading_timings():
+    from types import SimpleNamespace
+
+    from verispec.engine.params import SamplingParams
+
+    seeded = SimpleNamespace(slot=0, generated=[], params=SamplingParams(temperature=0.7, max_tokens=64, seed=3))
+    picks = []
+    for step in (0.001, 0.05):                                    # a cheap draft, then one dearer than a pass
+        p = two_source_policy()
+        for _ in range(10):
+            p.costs.record_propose("draft", 1, step)
+        proposer = TwoSources("ngram:1")
+        p.choose_for(proposer, [seeded])
+        picks.append(proposer.preferred[0])
+    assert picks[0] == picks[1]
+
+
+def test_calibrated_ratios_stay_and_every_pass_moves_the_level():
+    """Almost every round speculates (2–6-token passes, noisy, a 1-token pass once in 80): with the
+    calibrated ratios fixed, c_p(1) stays at what a 1-token pass costs and follows the machine when
+    it slows down, whatever width runs."""
+    import random
+
+    truth = {1: 0.036, 2: 0.0362, 3: 0.0367, 4: 0.0376, 5: 0.039, 6: 0.0413}
+    rng = random.Random(5)
+    c = CostModel()
+    c.seed({n: truth[n] / truth[1] for n in range(2, 7)})
+    for i in range(4000):
+        width = 1 if i % 80 == 0 else rng.choice([2, 3, 3, 4, 4, 5, 6])
+        c.record_verify(width, truth[width] * rng.lognormvariate(0, 0.15))
+    assert c.c_p(1) == pytest.approx(0.036, rel=0.1)
+    assert all(c.c_p(n) / c.c_p(1) == pytest.approx(truth[n] / truth[1]) for n in range(2, 7))
+    for _ in range(40):
+        c.record_verify(3, 2 * truth[3])              # the machine at half speed
+    assert c.c_p(1) == pytest.approx(0.072, rel=0.05)
+    unseeded = CostModel()                            # no calibration: a width's passes teach its ratio
+    unseeded.record_verify(1, 0.036)
+    for _ in range(30):
+        unseeded.record_verify(1, 0.036)
+        unseeded.record_verify(3, 0.054)
+    assert unseeded.c_p(3) / unseeded.c_p(1) == pytest.approx(1.5, rel=0.05)

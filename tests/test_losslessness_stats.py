@@ -144,3 +144,15 @@ def test_a_draft_that_stops_when_unsure_stays_exact_and_padding_verified_is_caug
     assert_matches_target(P, stops)
     assert is_biased(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=33, stop_below=0.6,
                                         stop_reported_as_k=True))
+
+
+@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5)])
+def test_a_source_chosen_from_the_past_stays_exact_and_one_chosen_after_verifying_is_caught(warp):
+    """A hybrid drafts each round by lookup (point masses) or from the draft's q, the K policy choosing
+    from the sequence's past rounds alone (engine/k_policy.py, choose_for): still an exact sample from
+    p. Broken on purpose: verifying both proposals and keeping the one that kept more drafts."""
+    k = 3
+    P = warp_table(random_tables(41, N_TOKENS + k + 1, V, sharp=3.0), **warp)
+    Q = warp_table(random_tables(42, N_TOKENS + k + 1, V), **warp)
+    assert_matches_target(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=43, two_sources="history"))
+    assert is_biased(P, run_speculative(P, Q, k, N_TOKENS, SAMPLES, seed=43, two_sources="peek"))

@@ -206,12 +206,11 @@ class Engine:
         self.stats.preemptions = self.scheduler.preemptions
 
     def _choose_ks(self) -> dict[int, int]:
-        """K for each sequence ready to decode, chosen jointly for the round (KPolicy.choose_round)."""
+        """K (and source) for each sequence ready to decode, chosen jointly for the round (KPolicy.choose_for)."""
         ready = [e.seq for e in self.scheduler.admitted if e.prefilled]
         if not ready:
             return {}
-        ks = self.policy.choose_round(ready, [self.proposer.source_for(s) for s in ready],
-                                      backlogs=[self.proposer.backlog(s) for s in ready])
+        ks = self.policy.choose_for(self.proposer, ready)
         return {s.slot: k for s, k in zip(ready, ks)}
 
     def _prefill(self, parts: list[tuple[Entry, int, int]]) -> None:

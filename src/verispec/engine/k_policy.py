@@ -12,9 +12,9 @@ than MARGIN (5 %), which is inside the error of the estimates themselves. With a
 rate a this is the DESIGN formula E = (1 − a^{K+1}) / (1 − a).
 
 Costs are measured on the fly: c_p(n) as the machine's current level (every pass moves it) times a
-slowly learned ratio per width, so widths are compared at one moment of a shared machine; widths
-not yet measured are extrapolated with a prior slope, optimistic enough to be tried once and then
-known (CostModel).
+ratio per width — this machine's calibrated ratios, or without a calibration ratios learned slowly
+from the passes — so widths are compared at one moment of a shared machine; widths not yet measured
+are extrapolated with a prior slope, optimistic enough to be tried once and then known (CostModel).
 
 A proposer may first have to catch up — the draft model prefills a sequence's prompt (and any
 tokens it skipped during K = 0 rounds) the first time it drafts for it. That one-off cost is paid
@@ -125,11 +125,20 @@ class CostModel:
     """Seconds per target pass by (batch bucket, width), and per drafted token by proposer source.
 
     A pass costs level × ratio(width). The level — what a 1-token pass costs now — follows every
-    pass whatever its width (an EMA of seconds / ratio); a width's ratio c_p(n) / c_p(1) is learned
-    slowly (RATIO_EMA) from that width's passes over the level at the time. Comparing widths thus
-    never sets one moment of a shared machine against another. (With one EMA per width, c_p(1)
-    stayed at whatever the machine's speed was in the last K = 0 round for as long as a sequence
-    speculated; a slow spell then made speculation look better than it was, or the reverse.)"""
+    pass whatever its width (an EMA of seconds / ratio), so widths are never compared at different
+    moments of a shared machine. (With one EMA per width, c_p(1) stayed at whatever the machine's
+    speed was in the last K = 0 round for as long as a sequence speculated; a slow spell then made
+    speculation look better than it was, or the reverse.)
+
+    Where this machine's ratios c_p(n) / c_p(1) were calibrated (`seed`, engine/calibrate.py: widths
+    timed round-robin in one loop), they stay fixed and passes move the level only. Learned from the
+    passes of a run, they cannot be told apart from the level: level × ratio is all a pass shows,
+    and where almost every round speculates (a draft model on new text: 4 one-token passes in 320)
+    nothing pins the split, so both drifted — measured: the ratios of 2–6-token passes wandered to
+    1.3–2.1 while the level fell from 50 to 28 ms against 1-token passes of 36 ms, so plain decoding
+    looked cheap and `auto` stopped speculating for whole answers. Without a calibration (a model
+    built in memory) a width's ratio is learned slowly (RATIO_EMA) from its passes over the level
+    at the time."""
 
     level: dict[int, float] = field(default_factory=dict)               # bucket -> c_p(1) now
     ratio: dict[tuple[int, int], float] = field(default_factory=dict)   # (bucket, width ≥ 2) -> c_p(width) / c_p(1)
@@ -138,12 +147,16 @@ class CostModel:
     catchup: dict[str, float] = field(default_factory=dict)             # source -> seconds per token ingested
     counts: dict[tuple[str, str], int] = field(default_factory=dict)    # (table, source) -> measurements so far
     last_width: dict[int, int] = field(default_factory=dict)            # bucket -> width of its latest pass
+    calibrated: set[int] = field(default_factory=set)                   # buckets whose ratios stay as seeded
 
     def record_verify(self, width: int, seconds: float, batch: int = 1) -> None:
         bucket = batch_bucket(batch)
         level = self.level.get(bucket)
         if level is None:                                 # first pass in this bucket: sets the level
             self.level[bucket], self.last_width[bucket] = seconds / self._ratio(bucket, width), width
+            return
+        if bucket in self.calibrated:
+            self.level[bucket] = (1 - EMA) * level + EMA * seconds / self._ratio(bucket, width)
             return
         if width > 1 and (bucket, width) not in self.ratio:
             self.ratio[(bucket, width)] = seconds / level     # a width's first pass: its ratio
@@ -178,11 +191,14 @@ class CostModel:
         return self.catchup.get(source, CATCHUP_PRIOR * self.c_q(source))
 
     def seed(self, ratios: dict[int, float], batch: int = 1) -> None:
-        """Start from calibrated ratios c_p(n) / c_p(1) (engine/calibrate.py); passes refine them."""
+        """Price passes with calibrated ratios c_p(n) / c_p(1) (engine/calibrate.py), interpolated
+        between the widths measured; passes then move only the level."""
         bucket = batch_bucket(batch)
         for n, r in ratios.items():
             if n > 1:
                 self.ratio[(bucket, n)] = r
+        if any(n > 1 for n in ratios):
+            self.calibrated.add(bucket)
 
     def _ratio(self, bucket: int, n: int) -> float:
         """c_p(n) / c_p(1): measured; linear between the nearest measured widths around n; beyond the
@@ -240,8 +256,10 @@ class AcceptanceEstimate:
 
     @classmethod
     def prior(cls, source: str, k_max: int, shared: list[float] | None = None,
-              regime: str = "greedy", cap: int | None = None) -> "AcceptanceEstimate":
-        return cls(list(shared) if shared else [prior_rate(source)] * k_max, regime=regime, cap=cap)
+              regime: str = "greedy", cap: int | None = None, rate: float | None = None) -> "AcceptanceEstimate":
+        """rate: the fixed prior (default prior_rate(source))."""
+        rate = prior_rate(source) if rate is None else rate
+        return cls(list(shared) if shared else [rate] * k_max, regime=regime, cap=cap)
 
     def update(self, proposed: int, accepted: int) -> None:
         """Positions 0 … min(accepted, proposed−1) were reached; those < accepted were accepted.
@@ -294,12 +312,78 @@ class KPolicy:
         # sequence starts from them rather than from a fixed guess (short requests learn little).
         self.shared: dict[tuple[str, str], list[float]] = {}
         self.source_k_max: dict[str, int] = {}
+        self.prior_rates: dict[str, float] = {}   # source -> fixed prior that replaces prior_rate(source)
         self.lengths = AnswerLengths()           # finished answers: what a catch-up is amortised over
 
     def limit(self, source: str, k_max: int) -> None:
         """This source never drafts more than k_max tokens (Medusa heads: one per head): positions past
         it count as never accepted, so `auto` never pays for drafts that cannot come."""
         self.source_k_max[source] = k_max
+
+    def set_prior(self, source: str, rate: float) -> None:
+        """This source's acceptance before anything is measured (a heads file's held-out figure)."""
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"an acceptance rate is in [0, 1], got {rate!r}")
+        self.prior_rates[source] = rate
+
+    def _prior_rate(self, source: str) -> float:
+        return self.prior_rates.get(source, prior_rate(source))
+
+    def _costs(self, source: str, batch: int, reproducible: bool):
+        """(c_p(n), c_q, catch-up seconds per token) for pricing a round: measured, or for seeded
+        sampled requests the fixed STATIC ones."""
+        if reproducible:
+            return ((lambda n: 1.0 + STATIC_SLOPE * (n - 1)), STATIC_C_Q.get(source.split(":")[0], 0.0),
+                    STATIC_CATCHUP.get(source, 0.0))
+        return (lambda n: self.costs.c_p(n, batch)), self.costs.c_q(source), self.costs.c_catchup(source)
+
+    def _best_k(self, rates: list[float], c_p, c_q: float, per_token: float, cap: int, backlog: int,
+                horizon: float) -> int:
+        """The K that maximises expected tokens per second (≤ cap); 0 where a catch-up of `backlog`
+        tokens would cost more than speculating saves over `horizon` tokens."""
+        k = min(choose_k(rates, c_p, c_q, self.k_max), cap)
+        if k > 0 and backlog and saving(rates, k, c_p, c_q, horizon) <= backlog * per_token:
+            return 0
+        return k
+
+    def value(self, seq, source: str, backlog: int = 0, batch: int = 1) -> float:
+        """Expected tokens per second of seq's next round drafted by `source` at its best K —
+        plain decoding's rate where no K pays. Reads the estimates without moving them."""
+        p = seq.params
+        c_p, c_q, per_token = self._costs(source, batch, p.reproducible)
+        if source == "none":
+            return 1.0 / c_p(1)
+        remaining = p.max_tokens - len(seq.generated)
+        est = self._estimate(seq.slot, source, p.greedy, use_shared=not p.reproducible)
+        k = self._best_k(est.rates, c_p, c_q, per_token, max(0, remaining - 1), backlog,
+                         self._horizon(seq, backlog))
+        return expected_tokens(est.rates, k) / (k * c_q + c_p(k + 1))
+
+    def choose_for(self, proposer, seqs: list, batch: int | None = None) -> list[int]:
+        """K for each of seqs' next round with this proposer. Where it offers several sources
+        (Proposer.options: a hybrid's lookup match and its fallback), `auto` keeps the one whose
+        best K promises the most tokens per second (ties: the proposer's own choice) and tells the
+        proposer (Proposer.prefer); then choose_round. The choice reads only the sequence's past
+        rounds and the costs (seeded requests: the fixed ones), never the drafts it leads to, so
+        acceptance stays exact."""
+        batch = batch or len(seqs)
+        if self.auto:
+            for s in seqs:
+                options = proposer.options(s)
+                if len(options) > 1:
+                    values = [self.value(s, src, bl, batch) for src, bl in options]
+                    best = max(range(len(options)), key=lambda i: (values[i], -i))
+                    proposer.prefer(s, options[best][0])
+        return self.choose_round(seqs, [proposer.source_for(s) for s in seqs], batch,
+                                 [proposer.backlog(s) for s in seqs])
+
+    def _horizon(self, seq, backlog: int) -> float:
+        """What a catch-up is amortised over: the answer's expected remainder where one is due."""
+        remaining = seq.params.max_tokens - len(seq.generated)
+        if not backlog:
+            return float(remaining)
+        return self.lengths.expected_remaining(len(seq.generated), seq.params.max_tokens,
+                                               learned=not seq.params.reproducible)
 
     def choose(self, slot: int, source: str, remaining: int, batch: int = 1, reproducible: bool = False,
                greedy: bool = True, backlog: int = 0, horizon: float | None = None) -> int:
@@ -319,17 +403,11 @@ class KPolicy:
         if source == "none":
             return 0
         est = self._estimate(slot, source, greedy, use_shared=not reproducible)
-        if reproducible:
-            c_p, c_q = (lambda n: 1.0 + STATIC_SLOPE * (n - 1)), STATIC_C_Q.get(source, 0.0)
-            catchup = backlog * STATIC_CATCHUP.get(source, 0.0)
-        else:
-            c_p, c_q = (lambda n: self.costs.c_p(n, batch)), self.costs.c_q(source)
-            catchup = backlog * self.costs.c_catchup(source)
-        k = choose_k(est.rates, c_p, c_q, self.k_max)
-        if k > 0 and backlog and saving(est.rates, k, c_p, c_q, horizon) <= catchup:
-            k = 0
+        c_p, c_q, per_token = self._costs(source, batch, reproducible)
+        catchup = backlog * per_token
+        k = self._best_k(est.rates, c_p, c_q, per_token, self.k_max, backlog, horizon)
         # A probe that needs a catch-up must pay off at the prior acceptance rate.
-        prior = AcceptanceEstimate.prior(source, 1).rates
+        prior = [self._prior_rate(source)]
         may_probe = not backlog or saving(prior, 1, c_p, c_q, horizon) > catchup
         # A sequence's first round tries the source once when the fixed prior says drafting pays,
         # even if the shared prior says it does not: that one pools other sequences, perhaps other
@@ -347,7 +425,8 @@ class KPolicy:
             regime = "greedy" if greedy else "sampled"
             shared = self.shared.get((source, regime)) if use_shared else None
             est = self.estimates[(slot, source)] = AcceptanceEstimate.prior(
-                source, self.k_max, shared, regime, self.source_k_max.get(source.split(":")[0]))
+                source, self.k_max, shared, regime, self.source_k_max.get(source.split(":")[0]),
+                self.prior_rates.get(source))
         return est
 
     def rates(self, slot: int, source: str, greedy: bool = True) -> list[float]:
@@ -367,10 +446,7 @@ class KPolicy:
         batch = batch or len(seqs)
         backlogs = backlogs or [0] * len(seqs)
         remaining = [s.params.max_tokens - len(s.generated) for s in seqs]
-        # What a catch-up is amortised over: the answer's expected remainder (only where one is due).
-        horizons = [self.lengths.expected_remaining(len(s.generated), s.params.max_tokens,
-                                                    learned=not s.params.reproducible) if bl else float(r)
-                    for s, r, bl in zip(seqs, remaining, backlogs)]
+        horizons = [self._horizon(s, bl) for s, bl in zip(seqs, backlogs)]
         if len(seqs) == 1 or not self.auto:
             return [self.choose(s.slot, src, r, batch, s.params.reproducible, s.params.greedy, bl, h)
                     for s, src, r, bl, h in zip(seqs, sources, remaining, backlogs, horizons)]
@@ -404,7 +480,7 @@ class KPolicy:
             return
         est = self._estimate(slot, source, use_shared=False)
         est.update(proposed, accepted)
-        shared = self.shared.setdefault((source, est.regime), [prior_rate(source)] * self.k_max)
+        shared = self.shared.setdefault((source, est.regime), [self._prior_rate(source)] * self.k_max)
         for i in range(min(accepted + 1, proposed)):
             shared[i] = (1 - SHARED_EMA) * shared[i] + SHARED_EMA * (1.0 if i < accepted else 0.0)
 

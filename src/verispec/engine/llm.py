@@ -164,6 +164,7 @@ class LLM:
             policy.costs.seed_propose("draft", self._draft_seed)
         if self.heads is not None:
             policy.limit("head", self.heads.depth)
+            policy.set_prior("head", self._heads_first_acceptance())
             policy.costs.seed_propose("head", STATIC_C_Q["head"])     # a few % of a pass (profiled)
         return policy
 
@@ -242,7 +243,7 @@ class LLM:
             return factory(self.draft.model, self.target.config.vocab_size, self.draft_vocab, self.draft_stop)
         if self.proposer_name == "hybrid" and self.heads is not None:
             return factory(REGISTRY["head"](self.heads, self.target.model), self.target.config.vocab_size,
-                           *self._ngram_n, k_max=self.policy.k_max, compare=self._heads_first_acceptance())
+                           *self._ngram_n, k_max=self.policy.k_max)
         if self.proposer_name == "hybrid":
             return factory(self.draft.model, self.target.config.vocab_size, *self._ngram_n, k_max=self.policy.k_max,
                            vocab=self.draft_vocab, stop_below=self.draft_stop)

@@ -42,8 +42,7 @@ def plan_prefill(parts: list[tuple[Entry, int, int]], target: ModelRunner, polic
     round joins the pass (mix_decode), else None. Sets each finishing prompt's cache length to where
     its round row starts."""
     finishing = [e for e, _, b in parts if b == len(e.seq.tokens) - 1]     # the prompts' last chunks
-    ks = policy.choose_round([e.seq for e in finishing], [proposer.source_for(e.seq) for e in finishing],
-                             backlogs=[proposer.backlog(e.seq) for e in finishing]) if finishing else []
+    ks = policy.choose_for(proposer, [e.seq for e in finishing]) if finishing else []
     ks = [k if pool.grow(e.slot, len(e.seq.tokens) + k) else 0 for e, k in zip(finishing, ks)]
     first_k = dict(zip(map(id, finishing), ks))
     # Rows each part needs: its chunk, and for a finishing prompt its pending token and drafts too.

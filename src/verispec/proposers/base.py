@@ -39,6 +39,16 @@ class Proposer(ABC):
         """Which proposer would draft for this sequence next (a hybrid picks per sequence)."""
         return self.name
 
+    def options(self, seq: "Sequence") -> list[tuple[str, int]]:
+        """Every source that could draft for seq next, with the tokens it would first catch up on
+        (see backlog), this proposer's own choice first. A hybrid offers its lookup match and its
+        fallback; the K policy keeps the one it values most and says so with prefer."""
+        return [(self.source_for(seq), self.backlog(seq))]
+
+    def prefer(self, seq: "Sequence", source: str) -> None:
+        """Draft seq's next round from `source`, one of options(seq); source_for, backlog and propose
+        follow it until seq's tokens change."""
+
     def start(self, make_runner: Callable[[Any], Any]) -> None:
         """Before the first round: make_runner(model) gives a ModelRunner over a cache the engine
         sized (static for a batch, paged for the server). Sequences may join at any round; a
