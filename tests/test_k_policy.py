@@ -629,3 +629,27 @@ def test_calibrated_ratios_stay_and_every_pass_moves_the_level():
         unseeded.record_verify(1, 0.036)
         unseeded.record_verify(3, 0.054)
     assert unseeded.c_p(3) / unseeded.c_p(1) == pytest.approx(1.5, rel=0.05)
+
+
+def test_seeded_requests_are_priced_with_the_fixed_profile_of_the_kernel_kind():
+    """A seed's K schedule reads fixed costs, one profile per kind of kernel: on AVX-512 a pass stays
+    memory-bound to ~5 rows and a draft step is cheaper, so a seeded draft drafts further there;
+    either way the schedule never reads the measured costs."""
+    from types import SimpleNamespace
+
+    from verispec.engine.k_policy import STATIC_AVX2, STATIC_AVX512, static_costs
+    from verispec.engine.params import SamplingParams
+
+    assert static_costs("avx512bf16") is STATIC_AVX512 and static_costs("avx512vnni") is STATIC_AVX512
+    assert static_costs("avx2") is STATIC_AVX2 and static_costs(None) is STATIC_AVX2
+    assert STATIC_AVX2.c_p(1) == 1.0 and STATIC_AVX2.c_p(5) == pytest.approx(1.8)      # 0.2 per extra row
+    assert STATIC_AVX512.c_p(3) == pytest.approx(1.025) and STATIC_AVX512.c_p(80) > STATIC_AVX512.c_p(65)
+    seeded = SimpleNamespace(slot=0, generated=[], params=SamplingParams(temperature=0.7, max_tokens=64, seed=1))
+    ks = {}
+    for name, profile in (("avx2", STATIC_AVX2), ("avx512", STATIC_AVX512)):
+        p = KPolicy("auto", k_max=8, static=profile)
+        p.costs.record_verify(1, 0.03)
+        p.costs.record_propose("draft", 1, 0.5)                 # measured: dearer than a pass (ignored)
+        p._estimate(0, "draft", greedy=False, use_shared=False).rates = [0.8] * 8   # 80 % accepted
+        ks[name] = p.choose_round([seeded], ["draft"])[0]
+    assert 0 < ks["avx2"] < ks["avx512"]

@@ -47,13 +47,47 @@ K_MAX = ROW_EXACT_MAX_T - 1   # the widest lookahead: a verify pass must stay ro
 PROBE_EVERY = 16          # after this many K = 0 rounds, try K = 1 once to refresh the estimate …
 PROBE_MAX = 256           # … doubling the wait after each probe that did not revive speculation
 SHARED_EMA = 0.05         # weight of one sequence's round in the shared (cross-sequence) prior
-# Fixed costs (in units of c_p(1)) for seeded sampled requests: their K schedule — and with it the
-# sample a seed produces — must not depend on timings. Close to the int8 profile in PERFORMANCE.md.
-STATIC_SLOPE = 0.2
-STATIC_C_Q = {"draft": 0.4, "head": 0.03}
 CATCHUP_PRIOR = 0.2       # unmeasured catch-up cost per token, as a fraction of the proposer's c_q
 SPIKE = 4.0               # one proposer timing counts as at most this many times the current estimate
-STATIC_CATCHUP = {"draft": 0.1}
+
+
+@dataclass(frozen=True)
+class StaticCosts:
+    """Fixed costs, in units of c_p(1), for seeded sampled requests: their K schedule — and with it
+    the sample a seed produces — must not depend on timings. One profile per kind of CPU kernel
+    (static_costs), so a seed gives the same text on every machine of a kind.
+
+    ratios: (width, c_p(width) / c_p(1)) in increasing width, interpolated linearly and extended
+    beyond the last with the last segment's slope; c_q, catchup: per proposer (source before any
+    ':'), per drafted token and per token caught up on."""
+
+    ratios: tuple[tuple[int, float], ...]
+    c_q: dict[str, float]
+    catchup: dict[str, float]
+
+    def c_p(self, n: int) -> float:
+        points = ((1, 1.0),) + self.ratios
+        for (w0, r0), (w1, r1) in zip(points, points[1:]):
+            if n <= w1:
+                return r0 + (r1 - r0) * (n - w0) / (w1 - w0)
+        (w0, r0), (w1, r1) = points[-2], points[-1]
+        return r1 + (r1 - r0) * (n - w1) / (w1 - w0)
+
+
+# AVX2 (and torch's own kernels): every extra row ~0.2 of a pass (c_p(2/3/5) = 1.31 / 1.32 / 1.95 on
+# a Zen 3 with int8), a 0.5B draft step ~0.4 of a 1.5B pass.
+STATIC_AVX2 = StaticCosts(((2, 1.2),), {"draft": 0.4, "head": 0.03}, {"draft": 0.1})
+# AVX-512 VNNI: a pass stays memory-bound to ~5 rows (the Zen 4's calibration of the int4 1.5B,
+# rounded up: 0.95 / 0.95 / 1.00 / 1.09 / 1.16 / 1.61 / 2.21 / 3.08 / 6.16 / 12.2 at 2 … 65 rows),
+# a draft step (int4-all, 32k-token head) 0.22–0.26 of a pass.
+STATIC_AVX512 = StaticCosts(((2, 1.0), (4, 1.05), (5, 1.12), (6, 1.2), (8, 1.65), (12, 2.3), (17, 3.2),
+                             (33, 6.3), (65, 12.5)), {"draft": 0.28, "head": 0.05}, {"draft": 0.1})
+STATIC_C_Q = STATIC_AVX2.c_q
+
+
+def static_costs(kernel_variant: str | None) -> StaticCosts:
+    """The fixed profile for the native kernel variant in use (kernels.active_variant())."""
+    return STATIC_AVX512 if kernel_variant and kernel_variant.startswith("avx512") else STATIC_AVX2
 
 
 # Speculate only when the model predicts at least this much more tokens per second than plain
@@ -302,7 +336,9 @@ class AcceptanceEstimate:
 class KPolicy:
     """K per sequence per round: fixed, or `auto` from costs and acceptance."""
 
-    def __init__(self, k: int | str, k_max: int = K_MAX):
+    def __init__(self, k: int | str, k_max: int = K_MAX, static: StaticCosts = STATIC_AVX2):
+        """static: the fixed costs seeded sampled requests are priced with (static_costs)."""
+        self.static = static
         self.auto = k == "auto"
         self.k_fixed = 0 if self.auto else int(k)
         self.k_max = k_max if self.auto else int(k)
@@ -333,8 +369,8 @@ class KPolicy:
         """(c_p(n), c_q, catch-up seconds per token) for pricing a round: measured, or for seeded
         sampled requests the fixed STATIC ones."""
         if reproducible:
-            return ((lambda n: 1.0 + STATIC_SLOPE * (n - 1)), STATIC_C_Q.get(source.split(":")[0], 0.0),
-                    STATIC_CATCHUP.get(source, 0.0))
+            name = source.split(":")[0]
+            return self.static.c_p, self.static.c_q.get(name, 0.0), self.static.catchup.get(name, 0.0)
         return (lambda n: self.costs.c_p(n, batch)), self.costs.c_q(source), self.costs.c_catchup(source)
 
     def _best_k(self, rates: list[float], c_p, c_q: float, per_token: float, cap: int, backlog: int,

@@ -13,7 +13,7 @@ import torch
 
 from verispec.engine.branch_policy import MAX_ALTERNATIVES
 from verispec.engine.engine import Engine, Request, encode_prompt
-from verispec.engine.k_policy import K_MAX, STATIC_C_Q, KPolicy
+from verispec.engine.k_policy import K_MAX, STATIC_C_Q, KPolicy, static_costs
 from verispec.engine.params import SamplingParams
 from verispec.engine.scheduler import Entry
 from verispec.engine.sequence import Sequence
@@ -157,7 +157,9 @@ class LLM:
 
     def new_policy(self) -> KPolicy:
         """A K policy for one engine, seeded with this machine's calibrated pass and draft costs."""
-        policy = KPolicy(self.k, self._k_max)
+        from verispec.kernels import active_variant
+
+        policy = KPolicy(self.k, self._k_max, static_costs(active_variant()))
         if self._width_seed is not None:
             policy.costs.seed(self._width_seed)
         if self._draft_seed is not None:
