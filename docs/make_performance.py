@@ -385,16 +385,15 @@ def longcopy_section(bench: dict | None) -> list[str]:
                  [[r["mode"], f(r["tokens_per_s"]), f(r["speedup"], "%.2fx"), f(r.get("decode_tokens_per_s")),
                    f(r.get("decode_speedup"), "%.2fx"), f(r.get("acceptance_rate")),
                    f(r.get("tau")), same(r)] for r in rows])
-    runs = [r for r in bench["runs"] if r["mode"] != "plain"]
-    if runs:
-        hist = runs[0]["spec"].get("k_histogram", {})
-        out += ["", "K per round (ngram, auto): " + ", ".join(f"K = {k}: {n}" for k, n in
-                                                            sorted(hist.items(), key=lambda kv: int(kv[0]))), ""]
-        by = runs[0]["spec"].get("by_source")
+    for run in (r for r in bench["runs"] if r["mode"] != "plain"):
+        hist = run["spec"].get("k_histogram", {})
+        out += ["", f"K per round ({run['mode']}): " + ", ".join(f"K = {k}: {n}" for k, n in
+                                                                 sorted(hist.items(), key=lambda kv: int(kv[0]))), ""]
+        by = run["spec"].get("by_source")
         if by:
-            out += ["Rounds by lookup match length (`spec.by_source`): " + ", ".join(
+            out += [f"Rounds by source ({run['mode']}, `spec.by_source`): " + ", ".join(
                 f"{name}: {v['rounds']} rounds, K {v['proposed'] / v['rounds']:.1f} on average, "
-                f"{f(v['acceptance_rate'])} accepted" for name, v in by.items()), ""]
+                f"{f(v['acceptance_rate'])} accepted" for name, v in by.items())]
     return out + [""]
 
 

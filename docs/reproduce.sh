@@ -31,7 +31,7 @@ python -c "import llama_cpp" 2>/dev/null || pip install -e '.[llamacpp]'
 verispec bench --peer llamacpp --modes ngram,hybrid --ks auto --max-tokens 64 \
     --json $R/bench-llamacpp.json --markdown $R/bench-llamacpp.md
 # A long copy: a 301-line file returned with one rename (about 5 minutes).
-verispec bench --prompts docs/prompts/long-copy.jsonl --modes ngram --ks auto --temperatures 0 --max-tokens 4000 \
+verispec bench --prompts docs/prompts/long-copy.jsonl --modes ngram,hybrid --ks auto --temperatures 0 --max-tokens 4000 \
     --json $R/bench-longcopy.json --markdown $R/bench-longcopy.md
 # Weight formats: decode speed, quality against fp32, peak RSS of the pair.
 python docs/measure_formats.py --out $R/formats.json

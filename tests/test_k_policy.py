@@ -653,3 +653,28 @@ def test_seeded_requests_are_priced_with_the_fixed_profile_of_the_kernel_kind():
         p._estimate(0, "draft", greedy=False, use_shared=False).rates = [0.8] * 8   # 80 % accepted
         ks[name] = p.choose_round([seeded], ["draft"])[0]
     assert 0 < ks["avx2"] < ks["avx512"]
+
+
+def test_a_catch_up_is_repaid_only_by_the_rounds_its_source_is_expected_to_draft():
+    """Copying a long input, lookup wins round after round; where the match breaks off (a 1-token
+    match) the draft would win the round, but feeding it the 3,000-token input first pays only if it
+    will draft a good share of the rest — here it would not. A sequence whose rounds the draft
+    mostly won pays the same catch-up."""
+    from types import SimpleNamespace
+
+    from verispec.engine.params import SamplingParams
+
+    p = two_source_policy()
+    p.costs.record_catchup("draft", 100, 100 * 0.001)
+    for _ in range(50):
+        p.finished(3000, capped=False)
+    copying = SimpleNamespace(slot=0, generated=list(range(500)), params=SamplingParams(temperature=0, max_tokens=4000))
+    writing = SimpleNamespace(slot=1, generated=list(range(500)), params=SamplingParams(temperature=0, max_tokens=4000))
+    for _ in range(60):
+        p.choose_for(TwoSources("ngram:16+"), [copying])         # lookup valued most
+        p.choose_for(TwoSources("ngram:1"), [writing])           # the draft valued most
+    broke_off = TwoSources("ngram:1", draft_backlog=3000)
+    p.choose_for(broke_off, [copying])
+    assert broke_off.preferred[0] == "ngram:1"
+    p.choose_for(broke_off, [writing])
+    assert broke_off.preferred[1] == "draft"

@@ -47,6 +47,7 @@ K_MAX = ROW_EXACT_MAX_T - 1   # the widest lookahead: a verify pass must stay ro
 PROBE_EVERY = 16          # after this many K = 0 rounds, try K = 1 once to refresh the estimate …
 PROBE_MAX = 256           # … doubling the wait after each probe that did not revive speculation
 SHARED_EMA = 0.05         # weight of one sequence's round in the shared (cross-sequence) prior
+SHARE_PRIOR = (1, 2)      # a source's share of a sequence's rounds starts as 1 won of 2 (choose_for)
 CATCHUP_PRIOR = 0.2       # unmeasured catch-up cost per token, as a fraction of the proposer's c_q
 SPIKE = 4.0               # one proposer timing counts as at most this many times the current estimate
 
@@ -350,6 +351,8 @@ class KPolicy:
         self.source_k_max: dict[str, int] = {}
         self.prior_rates: dict[str, float] = {}   # source -> fixed prior that replaces prior_rate(source)
         self.lengths = AnswerLengths()           # finished answers: what a catch-up is amortised over
+        # slot -> source name -> rounds in which it was valued most or was the only source; None -> rounds
+        self.wins: dict[int, dict[str | None, int]] = {}
 
     def limit(self, source: str, k_max: int) -> None:
         """This source never drafts more than k_max tokens (Medusa heads: one per head): positions past
@@ -382,9 +385,11 @@ class KPolicy:
             return 0
         return k
 
-    def value(self, seq, source: str, backlog: int = 0, batch: int = 1) -> float:
+    def value(self, seq, source: str, backlog: int = 0, batch: int = 1, share: float = 1.0) -> float:
         """Expected tokens per second of seq's next round drafted by `source` at its best K —
-        plain decoding's rate where no K pays. Reads the estimates without moving them."""
+        plain decoding's rate where no K pays; a catch-up of `backlog` tokens must be repaid by the
+        `share` of the answer's expected remainder this source is expected to draft. Reads the
+        estimates without moving them."""
         p = seq.params
         c_p, c_q, per_token = self._costs(source, batch, p.reproducible)
         if source == "none":
@@ -392,7 +397,7 @@ class KPolicy:
         remaining = p.max_tokens - len(seq.generated)
         est = self._estimate(seq.slot, source, p.greedy, use_shared=not p.reproducible)
         k = self._best_k(est.rates, c_p, c_q, per_token, max(0, remaining - 1), backlog,
-                         self._horizon(seq, backlog))
+                         share * self._horizon(seq, backlog))
         return expected_tokens(est.rates, k) / (k * c_q + c_p(k + 1))
 
     def choose_for(self, proposer, seqs: list, batch: int | None = None) -> list[int]:
@@ -401,17 +406,36 @@ class KPolicy:
         best K promises the most tokens per second (ties: the proposer's own choice) and tells the
         proposer (Proposer.prefer); then choose_round. The choice reads only the sequence's past
         rounds and the costs (seeded requests: the fixed ones), never the drafts it leads to, so
-        acceptance stays exact."""
+        acceptance stays exact.
+
+        A source that must first catch up (a draft model behind the text) repays that only over the
+        rounds it will draft: its share of the sequence's rounds so far — rounds where it was valued
+        most, catch-ups aside, or was the only source — counts (SHARE_PRIOR). Answering with a copy
+        of a long input, lookup wins nearly every round, so the draft is not fed the input for the
+        few rounds where a match breaks off."""
         batch = batch or len(seqs)
         if self.auto:
             for s in seqs:
                 options = proposer.options(s)
+                values = [self.value(s, src, 0, batch) for src, _ in options] if len(options) > 1 else [0.0]
+                top = max(range(len(options)), key=lambda i: (values[i], -i))
+                wins = self.wins.setdefault(s.slot, {})
+                wins[None] = wins.get(None, 0) + 1                      # rounds counted
+                wins[options[top][0].split(":")[0]] = wins.get(options[top][0].split(":")[0], 0) + 1
+                if len(options) > 1 and any(bl for _, bl in options):
+                    values = [self.value(s, src, bl, batch, self._share(s.slot, src)) if bl else v
+                              for (src, bl), v in zip(options, values)]
+                    top = max(range(len(options)), key=lambda i: (values[i], -i))
                 if len(options) > 1:
-                    values = [self.value(s, src, bl, batch) for src, bl in options]
-                    best = max(range(len(options)), key=lambda i: (values[i], -i))
-                    proposer.prefer(s, options[best][0])
+                    proposer.prefer(s, options[top][0])
         return self.choose_round(seqs, [proposer.source_for(s) for s in seqs], batch,
                                  [proposer.backlog(s) for s in seqs])
+
+    def _share(self, slot: int, source: str) -> float:
+        """The share of this sequence's rounds that source drafted or was valued most in."""
+        wins = self.wins.get(slot, {})
+        won, prior = wins.get(source.split(":")[0], 0), SHARE_PRIOR
+        return (won + prior[0]) / (wins.get(None, 0) + prior[1])
 
     def _horizon(self, seq, backlog: int) -> float:
         """What a catch-up is amortised over: the answer's expected remainder where one is due."""
@@ -527,7 +551,9 @@ class KPolicy:
     def forget_slot(self, slot: int) -> None:
         for key in [key for key in self.estimates if key[0] == slot]:
             del self.estimates[key]
+        self.wins.pop(slot, None)
 
     def forget(self) -> None:
         """Drop per-sequence estimates (a new batch); measured costs are kept."""
         self.estimates.clear()
+        self.wins.clear()
