@@ -106,6 +106,11 @@ def prior_rate(source: str) -> float:
     return PRIOR_RATE.get(name, 0.5)
 
 
+def _best(values: list[float]) -> int:
+    """Index of the largest value; ties go to the first."""
+    return max(range(len(values)), key=lambda i: (values[i], -i))
+
+
 def expected_tokens(rates: list[float], k: int) -> float:
     """E(K) = 1 + Σ_{j=1..K} Π_{i<j} rates[i]."""
     return cumulative_expected(rates, k)[k]
@@ -351,8 +356,8 @@ class KPolicy:
         self.source_k_max: dict[str, int] = {}
         self.prior_rates: dict[str, float] = {}   # source -> fixed prior that replaces prior_rate(source)
         self.lengths = AnswerLengths()           # finished answers: what a catch-up is amortised over
-        # slot -> source name -> rounds in which it was valued most or was the only source; None -> rounds
-        self.wins: dict[int, dict[str | None, int]] = {}
+        # slot -> source name -> rounds in which it was valued most or was the only source
+        self.wins: dict[int, dict[str, int]] = {}
 
     def limit(self, source: str, k_max: int) -> None:
         """This source never drafts more than k_max tokens (Medusa heads: one per head): positions past
@@ -417,25 +422,28 @@ class KPolicy:
         if self.auto:
             for s in seqs:
                 options = proposer.options(s)
-                values = [self.value(s, src, 0, batch) for src, _ in options] if len(options) > 1 else [0.0]
-                top = max(range(len(options)), key=lambda i: (values[i], -i))
-                wins = self.wins.setdefault(s.slot, {})
-                wins[None] = wins.get(None, 0) + 1                      # rounds counted
-                wins[options[top][0].split(":")[0]] = wins.get(options[top][0].split(":")[0], 0) + 1
-                if len(options) > 1 and any(bl for _, bl in options):
+                if len(options) == 1:
+                    self._count_win(s.slot, options[0][0])
+                    continue
+                values = [self.value(s, src, 0, batch) for src, _ in options]    # catch-ups aside
+                self._count_win(s.slot, options[_best(values)][0])
+                if any(bl for _, bl in options):
                     values = [self.value(s, src, bl, batch, self._share(s.slot, src)) if bl else v
                               for (src, bl), v in zip(options, values)]
-                    top = max(range(len(options)), key=lambda i: (values[i], -i))
-                if len(options) > 1:
-                    proposer.prefer(s, options[top][0])
+                proposer.prefer(s, options[_best(values)][0])
         return self.choose_round(seqs, [proposer.source_for(s) for s in seqs], batch,
                                  [proposer.backlog(s) for s in seqs])
+
+    def _count_win(self, slot: int, source: str) -> None:
+        wins = self.wins.setdefault(slot, {})
+        name = source.split(":")[0]
+        wins[name] = wins.get(name, 0) + 1
 
     def _share(self, slot: int, source: str) -> float:
         """The share of this sequence's rounds that source drafted or was valued most in."""
         wins = self.wins.get(slot, {})
-        won, prior = wins.get(source.split(":")[0], 0), SHARE_PRIOR
-        return (won + prior[0]) / (wins.get(None, 0) + prior[1])
+        won, (prior_won, prior_rounds) = wins.get(source.split(":")[0], 0), SHARE_PRIOR
+        return (won + prior_won) / (sum(wins.values()) + prior_rounds)
 
     def _horizon(self, seq, backlog: int) -> float:
         """What a catch-up is amortised over: the answer's expected remainder where one is due."""
@@ -486,7 +494,7 @@ class KPolicy:
             shared = self.shared.get((source, regime)) if use_shared else None
             est = self.estimates[(slot, source)] = AcceptanceEstimate.prior(
                 source, self.k_max, shared, regime, self.source_k_max.get(source.split(":")[0]),
-                self.prior_rates.get(source))
+                self._prior_rate(source))
         return est
 
     def rates(self, slot: int, source: str, greedy: bool = True) -> list[float]:
