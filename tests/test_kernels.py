@@ -394,6 +394,33 @@ def test_int6_gemm_matches_reference_and_is_row_exact(native, m, n, k):
         assert torch.equal(alone[0, :n], out[i])
 
 
+@pytest.mark.parametrize("kind", ["int4", "int6"])
+def test_integer_sums_at_their_extremes_neither_saturate_nor_wrap(native, kind):
+    """Every weight at its largest or smallest level against activations that round to ±127: the AVX2
+    kernels add pair products in 16 bits (int4: eight, int6: two) before widening, which these sums
+    would overflow if they added one more."""
+    n, k = 32, 512
+    if kind == "int4":
+        f = q4_fields(n, k, seed=1)
+        f.q[: n // 2] = 15
+        f.q[n // 2:] = torch.where(torch.arange(k) % 2 == 0, 15, 0).to(torch.uint8)
+        layer, ref_fn = quant.Int4Linear.from_fields(f), int4_reference
+        run = lambda x: native.int4_gemm(x, layer.packed, layer.groups, layer.supers)
+    else:
+        f = q6_fields(n, k, seed=1)
+        f.q[: n // 2] = 63
+        f.q[n // 2:] = 0                                                   # q − 32 = −32
+        layer, ref_fn = quant.Int6Linear.from_fields(f), int6_reference
+        run = lambda x: native.int6_gemm(x, layer.packed, layer.scales, layer.supers)
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2] = torch.where(torch.arange(k) % 2 == 0, 1.0, -1.0)
+    x[3] = torch.where(torch.arange(k) % 64 < 32, 2.5, -0.5)
+    out = run(x)[:, :n]
+    ref = ref_fn(x, f)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+
+
 def test_int4_model_mixes_formats_and_keeps_greedy_speculation_exact():
     from conftest import tiny_model
     from verispec import LLM, SamplingParams

@@ -8,8 +8,10 @@
  * exact integer, |I| ≤ 32 · 15 · 127) and the group's exact float sum X[m, g] = Σ_{k in g} x[m, k]
  *   y[m, n] = Σ_g ( I[m, n, g] · (scale[n, g] · s8[m, g]) + min[n, g] · X[m, g] )
  * in ascending g, one product and two fp32 FMAs per group. A u8 × s8 dot product of 4 pairs is one
- * lane of vpdpbusd (AVX-512 VNNI), or vpmaddubsw + vpmaddwd on AVX2 (no pair sum reaches 2¹⁵, so
- * neither saturates): 64 multiply-adds per instruction where 16-bit activations gave 32. A row's
+ * lane of vpdpbusd (AVX-512 VNNI), or vpmaddubsw on AVX2, whose 16-bit pair sums (at most 2 · 15 · 127)
+ * are added in 16 bits over the group's 32 k (8 of them: below 2¹⁵, so nothing saturates or wraps)
+ * and widened with one vpmaddwd per group: 64 multiply-adds per instruction where 16-bit activations
+ * gave 32. A row's
  * result is that one sequence of operations whatever M is (row-exact), and the AVX2 and AVX-512
  * variants run the same integer sums and fp32 operations lane for lane (the same bits).
  *
@@ -120,50 +122,67 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
         for (int m = 0; m < MM; m++) _mm512_mask_storeu_ps(y + m * N + c, k, acc[m]);            \
     }
 #else
-/* One 16-column block for MM rows as two halves of 8 columns (ymm lanes). */
+/* One 16-column block for MM rows as two halves of 8 columns (ymm lanes); up to NH4 rows take both
+   halves in one sweep over the groups (two independent accumulator chains per row, each group's
+   scales loaded once), more rows one half per sweep (their accumulators would not fit in registers).
+   Either way each column lane sees the same operations in the same order. */
+#ifndef NH4
+#define NH4 3
+#endif
 #define KERNEL4(MM)                                                                                \
     static void q4_##MM(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp, \
                         const uint8_t *gs, const uint16_t *ss, float *y, long N, long G, long b) {  \
+        enum { NH = (MM) <= NH4 ? 2 : 1 };                                                       \
         const __m256i lo4 = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);          \
         const long S = (G + 7) / 8;                                                               \
-        for (int h = 0; h < 2; h++) {                                                             \
-            __m256 acc[MM];                                                                       \
-            for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();                            \
+        for (int h0 = 0; h0 < 2; h0 += NH) {                                                      \
+            __m256 acc[NH][MM];                                                                   \
+            for (int h = 0; h < NH; h++)                                                          \
+                for (int m = 0; m < MM; m++) acc[h][m] = _mm256_setzero_ps();                     \
             for (long g = 0; g < G; g++) {                                                        \
-                __m256i isum[MM];                                                                 \
-                for (int m = 0; m < MM; m++) isum[m] = _mm256_setzero_si256();                    \
-                const uint32_t *wg = wp + (b * G + g) * 64 + 8 * h;                              \
-                _mm_prefetch((const char *)(wg + PF4 * 64), _MM_HINT_T1);                         \
-                _mm_prefetch((const char *)(wg + PF4 * 64 + 32), _MM_HINT_T1);                    \
-                for (int j = 0; j < 4; j++) {                                                     \
-                    __m256i d = _mm256_loadu_si256((const __m256i *)(wg + 16 * j));               \
-                    __m256i lo = _mm256_and_si256(d, lo4), hi = _mm256_and_si256(_mm256_srli_epi32(d, 4), lo4); \
+                const uint32_t *wb = wp + (b * G + g) * 64;                                      \
+                if (h0 == 0) {                                   /* the second sweep re-reads */  \
+                    _mm_prefetch((const char *)(wb + PF4 * 64), _MM_HINT_T1);                     \
+                    _mm_prefetch((const char *)(wb + PF4 * 64 + 16), _MM_HINT_T1);                \
+                    _mm_prefetch((const char *)(wb + PF4 * 64 + 32), _MM_HINT_T1);                \
+                    _mm_prefetch((const char *)(wb + PF4 * 64 + 48), _MM_HINT_T1);                \
+                }                                                                                 \
+                __m256i psum[NH][MM];     /* pair sums in 16 bits: 8 of at most 2·15·127 < 2¹⁵ */ \
+                for (int h = 0; h < NH; h++)                                                      \
+                    for (int m = 0; m < MM; m++) psum[h][m] = _mm256_setzero_si256();             \
+                for (int j = 0; j < 4; j++)                                                       \
+                    for (int h = 0; h < NH; h++) {                                                \
+                        __m256i d = _mm256_loadu_si256((const __m256i *)(wb + 16 * j + 8 * (h0 + h))); \
+                        __m256i lo = _mm256_and_si256(d, lo4), hi = _mm256_and_si256(_mm256_srli_epi32(d, 4), lo4); \
+                        for (int m = 0; m < MM; m++) {                                            \
+                            const int8_t *xr = q8 + m * K + 32 * g + 8 * j;                       \
+                            psum[h][m] = _mm256_add_epi16(psum[h][m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word32(xr)))); \
+                            psum[h][m] = _mm256_add_epi16(psum[h][m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word32(xr + 4)))); \
+                        }                                                                         \
+                    }                                                                             \
+                for (int h = 0; h < NH; h++) {                                                    \
+                    const uint8_t *gg = gs + (b * G + g) * 32 + 8 * (h0 + h);                     \
+                    const uint16_t *sg = ss + (b * S + g / 8) * 32 + 8 * (h0 + h);                \
+                    __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg)), \
+                                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)gg)))); \
+                    __m256 mv = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(),                  \
+                                                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 16)))), \
+                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gg + 16))))); \
                     for (int m = 0; m < MM; m++) {                                                \
-                        const int8_t *xr = q8 + m * K + 32 * g + 8 * j;                           \
-                        __m256i p = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word32(xr)));      \
-                        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(p, ones));          \
-                        p = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word32(xr + 4)));          \
-                        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(p, ones));          \
+                        __m256i isum = _mm256_madd_epi16(psum[h][m], ones);                       \
+                        __m256 t = _mm256_mul_ps(s, _mm256_set1_ps(s8[m * G + g]));               \
+                        acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), t, acc[h][m]);      \
+                        acc[h][m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[m * G + g]), acc[h][m]); \
                     }                                                                             \
                 }                                                                                 \
-                const uint8_t *gg = gs + (b * G + g) * 32 + 8 * h;                                \
-                const uint16_t *sg = ss + (b * S + g / 8) * 32 + 8 * h;                           \
-                __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg)),   \
-                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)gg)))); \
-                __m256 mv = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(),                      \
-                                                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 16)))), \
-                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gg + 16))))); \
-                for (int m = 0; m < MM; m++) {                                                    \
-                    __m256 t = _mm256_mul_ps(s, _mm256_set1_ps(s8[m * G + g]));                   \
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), t, acc[m]);             \
-                    acc[m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[m * G + g]), acc[m]);          \
-                }                                                                                 \
             }                                                                                     \
-            long c = 16 * b + 8 * h, left = N - c;                                                \
-            if (left <= 0) break;                                                                 \
-            __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left < 8 ? (int)left : 8),        \
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));         \
-            for (int m = 0; m < MM; m++) _mm256_maskstore_ps(y + m * N + c, mask, acc[m]);       \
+            for (int h = 0; h < NH; h++) {                                                        \
+                long c = 16 * b + 8 * (h0 + h), left = N - c;                                     \
+                if (left <= 0) break;                                                             \
+                __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left < 8 ? (int)left : 8),    \
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));     \
+                for (int m = 0; m < MM; m++) _mm256_maskstore_ps(y + m * N + c, mask, acc[h][m]); \
+            }                                                                                     \
         }                                                                                         \
     }
 #endif

@@ -8,7 +8,8 @@
  * in ascending g: J is an exact integer (|J| < 2³¹), rounded once to fp32, then one product and one FMA
  * per group — the same operations in every variant and for every row count (row-exact; the AVX2 and
  * AVX-512 variants give the same bits). q · q8 pairs are u8 × s8: vpdpbusd on AVX-512 VNNI, vpmaddubsw +
- * vpmaddwd on AVX2 (a pair sum stays below 2 · 63 · 127 < 2¹⁵, so nothing saturates).
+ * vpmaddwd on AVX2 (a pair sum stays at most 2 · 63 · 127, so nothing saturates, and two of them, added
+ * in 16 bits before one vpmaddwd widens them, at most 32,004 < 2¹⁵).
  *
  * Layout (kernels.pack_int6), 16 output columns per block, zero past N:
  *   wp (ceil(N/16), K/32, 6, 16) uint32: words 0 … 3 of group g hold the low nibbles of chunk j (k = 32g
@@ -85,55 +86,67 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
         for (int m = 0; m < MM; m++) _mm512_mask_storeu_ps(y + m * N + c, k, acc[m]);            \
     }
 #else
-/* One 16-column block for MM rows as two halves of 8 columns (ymm lanes). */
+/* One 16-column block for MM rows as two halves of 8 columns (ymm lanes); up to NH6 rows take both
+   halves in one sweep over the groups, more rows one half per sweep (as gemm4.c). */
+#ifndef NH6
+#define NH6 2
+#endif
 #define KERNEL6(MM)                                                                                \
     static void q6_##MM(const int8_t *q8, long K, const float *s8, const int32_t *qs, const uint32_t *wp, \
                         const int8_t *sc, const uint16_t *ds, float *y, long N, long G, long b) {   \
+        enum { NH = (MM) <= NH6 ? 2 : 1 };                                                       \
         const __m256i lo4 = _mm256_set1_epi32(0x0F0F0F0F), hi2 = _mm256_set1_epi32(0x30303030);  \
         const __m256i ones = _mm256_set1_epi16(1);                                                \
         const long S = (G + 7) / 8, H = 2 * G;                                                    \
-        for (int h = 0; h < 2; h++) {                                                             \
-            __m256 acc[MM];                                                                       \
-            for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();                            \
+        for (int h0 = 0; h0 < 2; h0 += NH) {                                                      \
+            __m256 acc[NH][MM];                                                                   \
+            for (int h = 0; h < NH; h++)                                                          \
+                for (int m = 0; m < MM; m++) acc[h][m] = _mm256_setzero_ps();                     \
             for (long g = 0; g < G; g++) {                                                        \
-                const uint32_t *wg = wp + (b * G + g) * W6 + 8 * h;                              \
-                for (int l = 0; l < 6 * (h == 0); l++)                     /* the second half re-reads */ \
-                    _mm_prefetch((const char *)(wg + PF6 * W6 + 16 * l), _MM_HINT_T1);           \
-                __m256i isum[2][MM];                                                              \
-                for (int m = 0; m < MM; m++) isum[0][m] = isum[1][m] = _mm256_setzero_si256();    \
-                for (int j = 0; j < 4; j++) {                                                     \
-                    __m256i d = _mm256_loadu_si256((const __m256i *)(wg + 16 * j));               \
-                    __m256i hw = _mm256_loadu_si256((const __m256i *)(wg + 64 + 16 * (j / 2)));   \
-                    __m256i ha = (j & 1) ? hw : _mm256_slli_epi32(hw, 4);                         \
-                    __m256i hb = (j & 1) ? _mm256_srli_epi32(hw, 2) : _mm256_slli_epi32(hw, 2);   \
-                    __m256i lo = _mm256_or_si256(_mm256_and_si256(d, lo4), _mm256_and_si256(ha, hi2)); \
-                    __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(d, 4), lo4),  \
-                                                 _mm256_and_si256(hb, hi2));                      \
+                const uint32_t *wb = wp + (b * G + g) * W6;                                      \
+                if (h0 == 0)                                     /* the second sweep re-reads */  \
+                    for (int l = 0; l < 6; l++) _mm_prefetch((const char *)(wb + PF6 * W6 + 16 * l), _MM_HINT_T1); \
+                __m256i isum[NH][2][MM];                                                          \
+                for (int h = 0; h < NH; h++)                                                      \
+                    for (int m = 0; m < MM; m++) isum[h][0][m] = isum[h][1][m] = _mm256_setzero_si256(); \
+                for (int j = 0; j < 4; j++)                                                       \
+                    for (int h = 0; h < NH; h++) {                                                \
+                        const uint32_t *wg = wb + 8 * (h0 + h);                                   \
+                        __m256i d = _mm256_loadu_si256((const __m256i *)(wg + 16 * j));           \
+                        __m256i hw = _mm256_loadu_si256((const __m256i *)(wg + 64 + 16 * (j / 2))); \
+                        __m256i ha = (j & 1) ? hw : _mm256_slli_epi32(hw, 4);                     \
+                        __m256i hb = (j & 1) ? _mm256_srli_epi32(hw, 2) : _mm256_slli_epi32(hw, 2); \
+                        __m256i lo = _mm256_or_si256(_mm256_and_si256(d, lo4), _mm256_and_si256(ha, hi2)); \
+                        __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(d, 4), lo4), \
+                                                     _mm256_and_si256(hb, hi2));                  \
+                        for (int m = 0; m < MM; m++) {                                            \
+                            const int8_t *xr = q8 + m * K + 32 * g + 8 * j;                       \
+                            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(word32(xr))), \
+                                                         _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word32(xr + 4)))); \
+                            isum[h][j / 2][m] = _mm256_add_epi32(isum[h][j / 2][m], _mm256_madd_epi16(p, ones)); \
+                        }                                                                         \
+                    }                                                                             \
+                for (int h = 0; h < NH; h++) {                                                    \
+                    const int8_t *sg = sc + (b * G + g) * 32 + 8 * (h0 + h);                      \
+                    __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sg));     \
+                    __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sg + 16))); \
+                    __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ds + (b * S + g / 8) * 16 + 8 * (h0 + h)))); \
                     for (int m = 0; m < MM; m++) {                                                \
-                        const int8_t *xr = q8 + m * K + 32 * g + 8 * j;                           \
-                        __m256i p = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word32(xr)));    \
-                        isum[j / 2][m] = _mm256_add_epi32(isum[j / 2][m], _mm256_madd_epi16(p, ones)); \
-                        p = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word32(xr + 4)));        \
-                        isum[j / 2][m] = _mm256_add_epi32(isum[j / 2][m], _mm256_madd_epi16(p, ones)); \
+                        __m256i t0 = _mm256_sub_epi32(isum[h][0][m], _mm256_set1_epi32(32 * qs[m * H + 2 * g]));     \
+                        __m256i t1 = _mm256_sub_epi32(isum[h][1][m], _mm256_set1_epi32(32 * qs[m * H + 2 * g + 1])); \
+                        __m256i jv = _mm256_add_epi32(_mm256_mullo_epi32(sc0, t0), _mm256_mullo_epi32(sc1, t1)); \
+                        __m256 t = _mm256_mul_ps(dv, _mm256_set1_ps(s8[m * G + g]));              \
+                        acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(jv), t, acc[h][m]);        \
                     }                                                                             \
                 }                                                                                 \
-                const int8_t *sg = sc + (b * G + g) * 32 + 8 * h;                                 \
-                __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sg));         \
-                __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sg + 16)));  \
-                __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ds + (b * S + g / 8) * 16 + 8 * h))); \
-                for (int m = 0; m < MM; m++) {                                                    \
-                    __m256i t0 = _mm256_sub_epi32(isum[0][m], _mm256_set1_epi32(32 * qs[m * H + 2 * g]));     \
-                    __m256i t1 = _mm256_sub_epi32(isum[1][m], _mm256_set1_epi32(32 * qs[m * H + 2 * g + 1])); \
-                    __m256i jv = _mm256_add_epi32(_mm256_mullo_epi32(sc0, t0), _mm256_mullo_epi32(sc1, t1)); \
-                    __m256 t = _mm256_mul_ps(dv, _mm256_set1_ps(s8[m * G + g]));                  \
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(jv), t, acc[m]);                  \
-                }                                                                                 \
             }                                                                                     \
-            long c = 16 * b + 8 * h, left = N - c;                                                \
-            if (left <= 0) break;                                                                 \
-            __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left < 8 ? (int)left : 8),        \
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));         \
-            for (int m = 0; m < MM; m++) _mm256_maskstore_ps(y + m * N + c, mask, acc[m]);       \
+            for (int h = 0; h < NH; h++) {                                                        \
+                long c = 16 * b + 8 * (h0 + h), left = N - c;                                     \
+                if (left <= 0) break;                                                             \
+                __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left < 8 ? (int)left : 8),    \
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));     \
+                for (int m = 0; m < MM; m++) _mm256_maskstore_ps(y + m * N + c, mask, acc[h][m]); \
+            }                                                                                     \
         }                                                                                         \
     }
 #endif
