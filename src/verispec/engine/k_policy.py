@@ -75,15 +75,16 @@ class StaticCosts:
         return r1 + (r1 - r0) * (n - w1) / (w1 - w0)
 
 
-# AVX2 (and torch's own kernels): every extra row ~0.2 of a pass (c_p(2/3/5) = 1.31 / 1.32 / 1.95 on
-# a Zen 3 with int8), a 0.5B draft step ~0.4 of a 1.5B pass.
-STATIC_AVX2 = StaticCosts(((2, 1.2),), {"draft": 0.4, "head": 0.03}, {"draft": 0.1})
+# AVX2 (and torch's own kernels): a pass is memory-bound to 2 rows only (the Zen 2's calibration of
+# the int4 1.5B, rounded up: 1.06 / 1.46 / 2.01 / 2.41 / 2.80 / 3.83 / 5.37 / 7.58 / 14.6 / 28.6 at
+# 2 … 65 rows), a draft step (int4-all, 32k-token head) 0.25–0.29 of a pass, the heads' 0.09.
+STATIC_AVX2 = StaticCosts(((2, 1.1), (3, 1.5), (4, 2.05), (5, 2.45), (6, 2.85), (8, 3.9), (12, 5.45), (17, 7.7),
+                           (33, 14.9), (65, 29.0)), {"draft": 0.3, "head": 0.09}, {"draft": 0.1})
 # AVX-512 VNNI: a pass stays memory-bound to ~5 rows (the Zen 4's calibration of the int4 1.5B,
 # rounded up: 0.95 / 0.95 / 1.00 / 1.09 / 1.16 / 1.61 / 2.21 / 3.08 / 6.16 / 12.2 at 2 … 65 rows),
 # a draft step (int4-all, 32k-token head) 0.22–0.26 of a pass.
 STATIC_AVX512 = StaticCosts(((2, 1.0), (4, 1.05), (5, 1.12), (6, 1.2), (8, 1.65), (12, 2.3), (17, 3.2),
                              (33, 6.3), (65, 12.5)), {"draft": 0.28, "head": 0.05}, {"draft": 0.1})
-STATIC_C_Q = STATIC_AVX2.c_q
 
 
 def static_costs(kernel_variant: str | None) -> StaticCosts:

@@ -13,7 +13,7 @@ import torch
 
 from verispec.engine.branch_policy import MAX_ALTERNATIVES
 from verispec.engine.engine import Engine, Request, encode_prompt
-from verispec.engine.k_policy import K_MAX, STATIC_C_Q, KPolicy, static_costs
+from verispec.engine.k_policy import K_MAX, KPolicy, static_costs
 from verispec.engine.params import SamplingParams
 from verispec.engine.scheduler import Entry
 from verispec.engine.sequence import Sequence
@@ -167,7 +167,7 @@ class LLM:
         if self.heads is not None:
             policy.limit("head", self.heads.depth)
             policy.set_prior("head", self._heads_first_acceptance())
-            policy.costs.seed_propose("head", STATIC_C_Q["head"])     # a few % of a pass (profiled)
+            policy.costs.seed_propose("head", policy.static.c_q["head"])   # this CPU kind's profiled cost
         return policy
 
     @staticmethod
