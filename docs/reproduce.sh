@@ -2,7 +2,10 @@
 # Every measurement behind docs/PERFORMANCE.md, in order, then the page itself.
 # About two hours and a quarter on the reference machine (2 cores). Run from the repository root on a quiet machine.
 set -euo pipefail
-R=docs/results
+# The reference machine has AVX-512 (docs/results/); on an AVX2-only one run with R=docs/results/avx2 — the
+# page renders that directory's profile, llama.cpp, suite, long-copy and formats results as a section of
+# their own (docs/make_performance.py, OTHER_KINDS).
+R=${R:-docs/results}
 mkdir -p "$R"
 
 # Speculative modes on the bundled suite (12 prompts, 6 categories), greedy and T = 0.7, interleaved,
