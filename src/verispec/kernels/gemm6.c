@@ -140,13 +140,7 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
                     }                                                                             \
                 }                                                                                 \
             }                                                                                     \
-            for (int h = 0; h < NH; h++) {                                                        \
-                long c = 16 * b + 8 * (h0 + h), left = N - c;                                     \
-                if (left <= 0) break;                                                             \
-                __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left < 8 ? (int)left : 8),    \
-                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));     \
-                for (int m = 0; m < MM; m++) _mm256_maskstore_ps(y + m * N + c, mask, acc[h][m]); \
-            }                                                                                     \
+            for (int h = 0; h < NH; h++) store_cols8(y, N, 16 * b + 8 * (h0 + h), acc[h], MM);     \
         }                                                                                         \
     }
 #endif

@@ -30,6 +30,16 @@ static inline int32_t word32(const int8_t *p) {
     return v;
 }
 
+/* rows rows of 8 columns starting at column c of y (rows of N floats), acc[m] holding row m's: the
+   columns at N and beyond are left alone (a weight block's padding). */
+static inline void store_cols8(float *y, long N, long c, const __m256 *acc, int rows) {
+    long left = N - c;
+    if (left <= 0) return;
+    __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left < 8 ? (int)left : 8),
+                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int m = 0; m < rows; m++) _mm256_maskstore_ps(y + m * N + c, mask, acc[m]);
+}
+
 #if defined(__AVX512VNNI__)
 /* acc + Σ of 4 u8 · s8 products per lane (vpdpbusd), the 4 int8 at p broadcast to every lane as the
    instruction's own memory operand ({1to16}). GCC loads a set1 of them with a separate vpbroadcastd,
