@@ -462,12 +462,10 @@ def for_kind(lines: list[str], kind: str) -> list[str]:
 def kind_section(kind: str, title: str) -> list[str]:
     """Every measurement made on another machine kind: costs, prefill and decode against llama.cpp,
     whole answers against llama.cpp, the suite, the long copy, the weight formats."""
-    here = lambda name: load(f"{kind}/{name}")
-    found = [(fn, here(name)) for fn, name in ((costs_section, "profile.json"), (ttft_section, "llamacpp-ttft.json"),
-                                               (llamacpp_section, "bench-llamacpp.json"),
-                                               (suite_section, "bench-suite.json"),
-                                               (longcopy_section, "bench-longcopy.json"),
-                                               (formats_section, "formats.json")) if here(name) is not None]
+    loaded = [(fn, load(f"{kind}/{name}")) for fn, name in (
+        (costs_section, "profile.json"), (ttft_section, "llamacpp-ttft.json"), (llamacpp_section, "bench-llamacpp.json"),
+        (suite_section, "bench-suite.json"), (longcopy_section, "bench-longcopy.json"), (formats_section, "formats.json"))]
+    found = [(fn, result) for fn, result in loaded if result is not None]
     if not found:
         return []
     out = [f"## {title}", "",
@@ -485,8 +483,8 @@ def main() -> None:
            "by hand. `bash docs/reproduce.sh` reruns every measurement (about an hour and a half on the reference "
            "machine) and then this script. The history of changes and what each did is in "
            "[PERFORMANCE_LOG.md](PERFORMANCE_LOG.md).", "",
-           "Machines: 2 cores, 24 GiB, no GPU, 2 threads — either a Zen 3 EPYC with AVX2 only or a Zen 4 EPYC "
-           "with AVX-512 VNNI; every section names the CPU, its vector extensions and the kernel build that "
+           "Machines: 2 cores, 24 GiB, no GPU, 2 threads — either a Zen 2/Zen 3 EPYC with AVX2 only (last section) "
+           "or a Zen 4 EPYC with AVX-512 VNNI (the reference); every section names the CPU, its vector extensions and the kernel build that "
            "made it, and sections measured on another machine kind or an earlier build say so. Timings on "
            "shared machines are noisy: compare ratios measured in one run, not absolute times across runs.", ""]
     suite = load("bench-suite.json")
