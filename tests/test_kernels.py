@@ -396,9 +396,9 @@ def test_int6_gemm_matches_reference_and_is_row_exact(native, m, n, k):
 
 @pytest.mark.parametrize("kind", ["int4", "int6"])
 def test_integer_sums_at_their_extremes_neither_saturate_nor_wrap(native, kind):
-    """Every weight at its largest or smallest level against activations that round to ±127: the AVX2
-    kernels add pair products in 16 bits (int4: eight, int6: two) before widening, which these sums
-    would overflow if they added one more."""
+    """Every weight at its largest or smallest level (int6: and every scale) against activations that
+    round to ±127: the AVX2 kernels add pair products in 16 bits (int4: eight, int6: two) before
+    widening, which these sums would overflow if they added one more."""
     n, k = 32, 512
     if kind == "int4":
         f = q4_fields(n, k, seed=1)
@@ -410,6 +410,8 @@ def test_integer_sums_at_their_extremes_neither_saturate_nor_wrap(native, kind):
         f = q6_fields(n, k, seed=1)
         f.q[: n // 2] = 63
         f.q[n // 2:] = 0                                                   # q − 32 = −32
+        f.sc[: n // 4] = -128                                              # the AVX2 kernel weighs pair sums
+        f.sc[n // 4:] = 127                                                # by the scales in 16 bits
         layer, ref_fn = quant.Int6Linear.from_fields(f), int6_reference
         run = lambda x: native.int6_gemm(x, layer.packed, layer.scales, layer.supers)
     x = torch.ones(4, k)

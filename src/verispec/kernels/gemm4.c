@@ -158,6 +158,7 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
                             const int8_t *xr = q8 + m * K + 32 * g + 8 * j;                       \
                             psum[h][m] = _mm256_add_epi16(psum[h][m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word32(xr)))); \
                             psum[h][m] = _mm256_add_epi16(psum[h][m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word32(xr + 4)))); \
+                            keep_in_register(psum[h][m]);                                         \
                         }                                                                         \
                     }                                                                             \
                 for (int h = 0; h < NH; h++) {                                                    \

@@ -9,7 +9,11 @@
  * per group — the same operations in every variant and for every row count (row-exact; the AVX2 and
  * AVX-512 variants give the same bits). q · q8 pairs are u8 × s8: vpdpbusd on AVX-512 VNNI, vpmaddubsw +
  * vpmaddwd on AVX2 (a pair sum stays at most 2 · 63 · 127, so nothing saturates, and two of them, added
- * in 16 bits before one vpmaddwd widens them, at most 32,004 < 2¹⁵).
+ * in 16 bits, at most 32,004 < 2¹⁵). On AVX2 the vpmaddwd that widens them also weighs them by their
+ * half-group's scale, and the Q term is one more vpmaddwd per group, (sc0, sc1) · (Q0, Q1):
+ *   J = (sc0 · I0 + sc1 · I1) − 32 · (sc0 · Q0 + sc1 · Q1)
+ * the same integer as above (|sc · I| ≤ 128 · 16 · 63 · 127, so no int32 sum wraps), with no 32-bit
+ * multiply (vpmulld) per row.
  *
  * Layout (kernels.pack_int6), 16 output columns per block, zero past N:
  *   wp (ceil(N/16), K/32, 6, 16) uint32: words 0 … 3 of group g hold the low nibbles of chunk j (k = 32g
@@ -96,7 +100,7 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
                         const int8_t *sc, const uint16_t *ds, float *y, long N, long G, long b) {   \
         enum { NH = (MM) <= NH6 ? 2 : 1 };                                                       \
         const __m256i lo4 = _mm256_set1_epi32(0x0F0F0F0F), hi2 = _mm256_set1_epi32(0x30303030);  \
-        const __m256i ones = _mm256_set1_epi16(1);                                                \
+        const __m256i low16 = _mm256_set1_epi32(0xFFFF);                                          \
         const long S = (G + 7) / 8, H = 2 * G;                                                    \
         for (int h0 = 0; h0 < 2; h0 += NH) {                                                      \
             __m256 acc[NH][MM];                                                                   \
@@ -106,9 +110,21 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
                 const uint32_t *wb = wp + (b * G + g) * W6;                                      \
                 if (h0 == 0)                                     /* the second sweep re-reads */  \
                     for (int l = 0; l < 6; l++) _mm_prefetch((const char *)(wb + PF6 * W6 + 16 * l), _MM_HINT_T1); \
-                __m256i isum[NH][2][MM];                                                          \
+                /* Per half h of the block, the columns' scales as 16-bit pairs: (sc0, sc0) and (sc1, sc1) \
+                   weigh a chunk's pair sums as vpmaddwd widens them, (sc0, sc1) the Q term. */        \
+                __m256i scw[NH][2], scq[NH];                                                      \
+                for (int h = 0; h < NH; h++) {                                                    \
+                    const int8_t *sg = sc + (b * G + g) * 32 + 8 * (h0 + h);                      \
+                    __m256i s0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sg));      \
+                    __m256i s1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sg + 16))); \
+                    s0 = _mm256_and_si256(s0, low16); s1 = _mm256_and_si256(s1, low16);           \
+                    scw[h][0] = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));                   \
+                    scw[h][1] = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));                   \
+                    scq[h] = _mm256_or_si256(s0, _mm256_slli_epi32(s1, 16));                      \
+                }                                                                                 \
+                __m256i isum[NH][MM];     /* sc0 · I0 + sc1 · I1 so far (8 columns) */              \
                 for (int h = 0; h < NH; h++)                                                      \
-                    for (int m = 0; m < MM; m++) isum[h][0][m] = isum[h][1][m] = _mm256_setzero_si256(); \
+                    for (int m = 0; m < MM; m++) isum[h][m] = _mm256_setzero_si256();             \
                 for (int j = 0; j < 4; j++)                                                       \
                     for (int h = 0; h < NH; h++) {                                                \
                         const uint32_t *wg = wb + 8 * (h0 + h);                                   \
@@ -123,18 +139,15 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
                             const int8_t *xr = q8 + m * K + 32 * g + 8 * j;                       \
                             __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(word32(xr))), \
                                                          _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word32(xr + 4)))); \
-                            isum[h][j / 2][m] = _mm256_add_epi32(isum[h][j / 2][m], _mm256_madd_epi16(p, ones)); \
+                            isum[h][m] = _mm256_add_epi32(isum[h][m], _mm256_madd_epi16(p, scw[h][j / 2])); \
                         }                                                                         \
                     }                                                                             \
                 for (int h = 0; h < NH; h++) {                                                    \
-                    const int8_t *sg = sc + (b * G + g) * 32 + 8 * (h0 + h);                      \
-                    __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sg));     \
-                    __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sg + 16))); \
                     __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ds + (b * S + g / 8) * 16 + 8 * (h0 + h)))); \
                     for (int m = 0; m < MM; m++) {                                                \
-                        __m256i t0 = _mm256_sub_epi32(isum[h][0][m], _mm256_set1_epi32(32 * qs[m * H + 2 * g]));     \
-                        __m256i t1 = _mm256_sub_epi32(isum[h][1][m], _mm256_set1_epi32(32 * qs[m * H + 2 * g + 1])); \
-                        __m256i jv = _mm256_add_epi32(_mm256_mullo_epi32(sc0, t0), _mm256_mullo_epi32(sc1, t1)); \
+                        const int32_t *qm = qs + m * H + 2 * g;   /* |Q| ≤ 16 · 127: a 16-bit pair */ \
+                        __m256i qp = _mm256_set1_epi32((int32_t)(((uint32_t)qm[1] << 16) | ((uint32_t)qm[0] & 0xFFFFu))); \
+                        __m256i jv = _mm256_sub_epi32(isum[h][m], _mm256_slli_epi32(_mm256_madd_epi16(scq[h], qp), 5)); \
                         __m256 t = _mm256_mul_ps(dv, _mm256_set1_ps(s8[m * G + g]));              \
                         acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(jv), t, acc[h][m]);        \
                     }                                                                             \
