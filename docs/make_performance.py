@@ -10,6 +10,7 @@ saying which command to run instead of a number.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from verispec.bench.run import machine_line
@@ -453,10 +454,10 @@ OTHER_KINDS = {"avx2": "An AVX2-only machine"}
 
 
 def for_kind(lines: list[str], kind: str) -> list[str]:
-    """A section rendered for docs/results/<kind>/: its headings one level down, its paths into <kind>/."""
-    return [("#" + line if line.startswith("#") else line)
-            .replace("docs/results/", f"docs/results/{kind}/").replace("(results/", f"(results/{kind}/")
-            for line in lines]
+    """A section rendered for docs/results/<kind>/: its headings one level down, its paths into <kind>/
+    (a command recorded with the <kind>/ path already in it keeps it)."""
+    into = re.compile(rf"(docs/results/|\(results/)(?!{re.escape(kind)}/)")
+    return [into.sub(rf"\g<1>{kind}/", "#" + line if line.startswith("#") else line) for line in lines]
 
 
 def kind_section(kind: str, title: str) -> list[str]:

@@ -76,10 +76,10 @@ class StaticCosts:
 
 
 # AVX2 (and torch's own kernels): a pass is memory-bound to 2 rows only (the Zen 2's calibration of
-# the int4 1.5B, rounded up: 1.06 / 1.46 / 2.01 / 2.41 / 2.80 / 3.83 / 5.37 / 7.58 / 14.6 / 28.6 at
-# 2 … 65 rows), a draft step (int4-all, 32k-token head) 0.25–0.29 of a pass, the heads' 0.09.
-STATIC_AVX2 = StaticCosts(((2, 1.1), (3, 1.5), (4, 2.05), (5, 2.45), (6, 2.85), (8, 3.9), (12, 5.45), (17, 7.7),
-                           (33, 14.9), (65, 29.0)), {"draft": 0.3, "head": 0.09}, {"draft": 0.1})
+# the int4 1.5B, rounded up: 1.02 / 1.30 / 1.68 / 2.01 / 2.18 / 3.11 / 4.26 / 6.15 / 11.9 / 22.6 at
+# 2 … 65 rows), a draft step (int4-all, 32k-token head) 0.24–0.25 of a pass, the heads' 0.07.
+STATIC_AVX2 = StaticCosts(((2, 1.05), (3, 1.35), (4, 1.7), (5, 2.05), (6, 2.3), (8, 3.15), (12, 4.3), (17, 6.2),
+                           (33, 12.0), (65, 22.6)), {"draft": 0.27, "head": 0.08}, {"draft": 0.1})
 # AVX-512 VNNI: a pass stays memory-bound to ~5 rows (the Zen 4's calibration of the int4 1.5B,
 # rounded up: 0.95 / 0.95 / 1.00 / 1.09 / 1.16 / 1.61 / 2.21 / 3.08 / 6.16 / 12.2 at 2 … 65 rows),
 # a draft step (int4-all, 32k-token head) 0.22–0.26 of a pass.
