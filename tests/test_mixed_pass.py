@@ -87,3 +87,29 @@ def test_padding_written_over_a_neighbouring_piece_is_caught(model, monkeypatch)
     forward = ModelRunner.forward
     monkeypatch.setattr(ModelRunner, "forward", lambda self, *a, **kw: forward(self, *a, **{**kw, "pad_beyond": False}))
     assert run(model, True, 16)[0] != want
+
+
+def _first_step_with_draft(model, params):
+    """One request with the draft model as proposer (K = 3), stepped until its first token: the
+    draft's committed length then, and the whole answer."""
+    llm = LLM(model, draft=int8_model(1, max_position_embeddings=1024), proposer="draft", k=3)
+    engine = llm.engine(kv_budget_mb=8, block_size=8, prefill_budget=256)
+    got: list[int] = []
+    engine.add(Request("r", [PROMPTS[3]], params, lambda u: got.extend(u.token_ids)))
+    while not got:
+        engine.step()
+    ingested = max(engine.proposer.runner.cache.lengths.values(), default=0)     # over every slot
+    while engine.has_work:
+        engine.step()
+    return ingested, got
+
+
+def test_the_first_token_does_not_wait_for_a_draft_model_to_read_the_prompt(model):
+    """The pass that finishes a prompt sends its first token: a draft model that would first have to
+    prefill the prompt drafts from the next round on (a seeded request keeps its K schedule)."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = LLM(model, proposer="none").generate([PROMPTS[3]], params)[0].token_ids
+    ingested, got = _first_step_with_draft(model, params)
+    assert ingested == 0 and got == want
+    seeded = SamplingParams(temperature=0.9, max_tokens=12, seed=5, ignore_eos=True)
+    assert _first_step_with_draft(model, seeded)[0] > 0          # its first round catches up, as before

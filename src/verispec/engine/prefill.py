@@ -5,7 +5,10 @@ A finishing prompt's row in that round is its last tokens (its pending token las
 drafts, filling the pass's last piece for it; the rest of its chunk rides ahead in whole pieces.
 Its first token then comes from the pass that finished its prompt instead of the next step's. Its
 K is the one the next step would choose (a seeded request's K schedule, and so its sample, must
-not depend on which step its first round falls in).
+not depend on which step its first round falls in) — but 0 where the chosen source would first
+have to catch up on the prompt: a draft model's prefill of it, before this pass, would delay the
+first token (measured on a Zen 2: by 27–34 % in the default mode) for one round's drafts; the
+next round catches up instead, after the first token went out.
 
 With mix_decode the running sequences' round joins the pass too (one read of the weights for
 both); the pieces must then be as narrow as the round's rows, which on a 2-core CPU costs about
@@ -43,6 +46,11 @@ def plan_prefill(parts: list[tuple[Entry, int, int]], target: ModelRunner, polic
     its round row starts."""
     finishing = [e for e, _, b in parts if b == len(e.seq.tokens) - 1]     # the prompts' last chunks
     ks = policy.choose_for(proposer, [e.seq for e in finishing]) if finishing else []
+    # A source that must first ingest the prompt (a draft model's catch-up) waits for the next round:
+    # its prefill would come before this pass and delay the first token by a prefill of the draft.
+    # Not for seeded requests, whose K schedule must not depend on where their first round falls.
+    ks = [0 if k and not e.seq.params.reproducible and proposer.backlog(e.seq) else k
+          for e, k in zip(finishing, ks)]
     ks = [k if pool.grow(e.slot, len(e.seq.tokens) + k) else 0 for e, k in zip(finishing, ks)]
     first_k = dict(zip(map(id, finishing), ks))
     # Rows each part needs: its chunk, and for a finishing prompt its pending token and drafts too.
