@@ -142,7 +142,10 @@ static inline __attribute__((always_inline)) vec reduce_keys(const vec *a) {
     return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 static inline void store_keys(float *w, vec s, long cnt) {
-    _mm256_maskstore_ps(w, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), s);
+    if (cnt == 8)                                         /* a masked store costs many µops on Zen */
+        _mm256_storeu_ps(w, s);
+    else
+        _mm256_maskstore_ps(w, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), s);
 }
 #endif
 
@@ -265,6 +268,41 @@ static inline __attribute__((always_inline)) void score_tile(const float *const 
     }
 }
 
+/* A work item of several rows converts each tile of int8 or bf16 keys (and then values) to float32
+   once, into tb, and every row reads the floats: row_vec's values, so the same bits as a row that
+   converts for itself, without converting the tile once per row. Only where score_tile and mix_tile
+   would take the float32 path anyway (head sizes a multiple of VL; not the AVX512_BF16 dot products)
+   and the tile fits tb. Rows past n up to a multiple of VL are zero. */
+#define TB_D 256
+static inline int tile_shared(const kv_view *kv, long D) {
+#if defined(__AVX512BF16__)
+    if (kv->bf16 && D % 32 == 0) return 0;
+#endif
+    return (kv->ks != NULL || kv->bf16) && D % VL == 0 && D <= TB_D;
+}
+
+static inline __attribute__((always_inline)) void convert_tile(const kv_rows *r, long j0, long n, long D, float *tb) {
+    long npad = (n + VL - 1) / VL * VL;
+    for (long j = 0; j < npad; j++)
+        for (long d = 0; d < D; d += VL)
+            vstore(tb + j * D + d, j < n ? row_vec(r, j0 + j, d, rows_format(r)) : vzero());
+}
+
+/* score_tile over a converted tile: n keys of D floats at tb (zero rows to a multiple of VL). */
+static inline __attribute__((always_inline)) void score_floats(const float *const *qr, const int G, const float *tb,
+                                                               long n, long s0, long D, float scale, float *w,
+                                                               long SP) {
+    for (long j = 0; j < n; j += VL) {
+        long cnt = n - j < VL ? n - j : VL;
+        if (D == 128)
+            score_keys(qr, G, tb + j * D, cnt, 128, scale, w, SP, s0 + j);
+        else if (D == 64)
+            score_keys(qr, G, tb + j * D, cnt, 64, scale, w, SP, s0 + j);
+        else
+            score_keys(qr, G, tb + j * D, cnt, D, scale, w, SP, s0 + j);
+    }
+}
+
 /* In place: w[0 … p] -> exp(w - max); returns 1 / Σ. Lanes past p (to a multiple of 8) are set to
    zero. A NaN score (a broken model) makes the whole row NaN, as the torch fallback's softmax does.
    The AVX-512 builds run 16 lanes, max and sum alike (a scalar max loop was a fifth of the attention
@@ -297,14 +335,17 @@ static float softmax_row(float *w, long p) {
 #else
 static float softmax_row(float *w, long p) {
     long n = p + 1, n8 = spad(n);
-    float mx = -INFINITY;
-    int nan = 0;
-    for (long s = 0; s < n; s++) {
-        nan |= w[s] != w[s];
-        mx = w[s] > mx ? w[s] : mx;
-    }
-    if (nan) return NAN;
     for (long s = n; s < n8; s++) w[s] = -INFINITY;
+    __m256 lmx = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    for (long s = 0; s < n8; s += 8) {                    /* the max is the same in any order */
+        __m256 x = _mm256_loadu_ps(w + s);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        lmx = _mm256_max_ps(lmx, x);
+    }
+    if (_mm256_movemask_ps(nan)) return NAN;
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(lmx), _mm256_extractf128_ps(lmx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
     __m256 vmx = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
     for (long s = 0; s < n8; s += 8) {
         __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(w + s), vmx));
@@ -434,6 +475,8 @@ static inline long tile_at(const kv_view *kv, const int64_t *table, long s0, lon
                           long D, float scale, float *w, long SP) {                                      \
         float *inv = w + nr * G * SP;                                                                    \
         long pmax = 0, kt = nr > 1 ? KT : kv->bs;                                                        \
+        const int shared = nr > 1 && tile_shared(kv, D);                                                 \
+        float tb[shared ? KT * D : 1];                       /* a converted tile (KT a multiple of VL) */ \
         for (long i = 0; i < nr; i++) {                                                                  \
             pmax = pos[r0 + i] > pmax ? pos[r0 + i] : pmax;                                              \
             memset(out + ((r0 + i) * H + h0) * D, 0, sizeof(float) * G * D);                             \
@@ -444,24 +487,39 @@ static inline long tile_at(const kv_view *kv, const int64_t *table, long s0, lon
                 long nblk, nj0, nn = tile_at(kv, table, s0 + n, pmax, kt, &nblk, &nj0);                  \
                 prefetch_keys(kv, nblk, nj0, nn < VL ? nn : VL, kh, D);                                  \
             }                                                                                            \
+            if (shared) {                                                                                \
+                kv_rows kr = kv_rows_at(kv, kv->k, kv->ks, blk, kh, D);                                  \
+                convert_tile(&kr, j0, n, D, tb);                                                         \
+            }                                                                                            \
             for (long i = 0; i < nr; i++) {                                                              \
                 long m = pos[r0 + i] + 1 - s0 < n ? pos[r0 + i] + 1 - s0 : n;   /* this row's part */    \
                 if (m <= 0) continue;                                                                    \
                 const float *qr[G];                                                                      \
                 for (int g = 0; g < G; g++) qr[g] = q + (r0 + i) * q_rs + (h0 + g) * D;                  \
-                score_tile(qr, G, kv, blk, j0, m, s0, kh, D, scale, w + i * G * SP, SP);                 \
+                if (shared)                                                                              \
+                    score_floats(qr, G, tb, m, s0, D, scale, w + i * G * SP, SP);                        \
+                else                                                                                     \
+                    score_tile(qr, G, kv, blk, j0, m, s0, kh, D, scale, w + i * G * SP, SP);             \
             }                                                                                            \
         }                                                                                                \
         for (long i = 0; i < nr; i++)                                                                    \
             for (int g = 0; g < G; g++) inv[i * G + g] = softmax_row(w + (i * G + g) * SP, pos[r0 + i]); \
         for (long s0 = 0, n, blk, j0; s0 <= pmax; s0 += n) {                                             \
             n = tile_at(kv, table, s0, pmax, kt, &blk, &j0);                                             \
+            kv_rows vt = {(const char *)tb, NULL, D, 1, 0};                                              \
+            if (shared) {                                                                                \
+                kv_rows vr = kv_rows_at(kv, kv->v, kv->vs, blk, kh, D);                                  \
+                convert_tile(&vr, j0, n, D, tb);                                                         \
+            }                                                                                            \
             for (long i = 0; i < nr; i++) {                                                              \
                 long m = pos[r0 + i] + 1 - s0 < n ? pos[r0 + i] + 1 - s0 : n;                            \
                 if (m <= 0) continue;                                                                    \
                 float *o[G];                                                                             \
                 for (int g = 0; g < G; g++) o[g] = out + ((r0 + i) * H + h0 + g) * D;                    \
-                mix_tile(w + i * G * SP, SP, G, kv, blk, j0, m, s0, kh, D, o);                           \
+                if (shared)                                                                              \
+                    mix_rows(w + i * G * SP, SP, G, &vt, 0, m, s0, D, o, ROWS_F32);                      \
+                else                                                                                     \
+                    mix_tile(w + i * G * SP, SP, G, kv, blk, j0, m, s0, kh, D, o);                       \
             }                                                                                            \
         }                                                                                                \
         for (long i = 0; i < nr; i++)                                                                    \
