@@ -229,6 +229,18 @@ static inline __attribute__((always_inline)) void score_tile_bf16(const float *c
 }
 #endif
 
+/* score_keys with the head sizes of the embedded models as constants (their key rows at fixed offsets). */
+static inline __attribute__((always_inline)) void score_group(const float *const *qr, const int G, const float *k,
+                                                              long cnt, long D, float scale, float *w, long SP,
+                                                              long s0) {
+    if (D == 128)
+        score_keys(qr, G, k, cnt, 128, scale, w, SP, s0);
+    else if (D == 64)
+        score_keys(qr, G, k, cnt, 64, scale, w, SP, s0);
+    else
+        score_keys(qr, G, k, cnt, D, scale, w, SP, s0);
+}
+
 /* G ≤ GMAX query vectors qr[g] (each D floats) against positions s0 … s0+n-1, which sit at offsets
    j0 … j0+n-1 of block blk: w[g·SP + s] = scale · q_g · k_s, VL keys at a time. A short last group
    and int8 or bf16 keys (dequantized, k8 · its group's scale, or widened, exactly as score_keys_each
@@ -259,12 +271,7 @@ static inline __attribute__((always_inline)) void score_tile(const float *const 
                     vstore(buf + r * D + d, r < cnt ? row_vec(&kr, j0 + j + r, d, rows_format(&kr)) : vzero());
             k = buf;
         }
-        if (D == 128)
-            score_keys(qr, G, k, cnt, 128, scale, w, SP, s0 + j);
-        else if (D == 64)
-            score_keys(qr, G, k, cnt, 64, scale, w, SP, s0 + j);
-        else
-            score_keys(qr, G, k, cnt, D, scale, w, SP, s0 + j);
+        score_group(qr, G, k, cnt, D, scale, w, SP, s0 + j);
     }
 }
 
@@ -292,15 +299,7 @@ static inline __attribute__((always_inline)) void convert_tile(const kv_rows *r,
 static inline __attribute__((always_inline)) void score_floats(const float *const *qr, const int G, const float *tb,
                                                                long n, long s0, long D, float scale, float *w,
                                                                long SP) {
-    for (long j = 0; j < n; j += VL) {
-        long cnt = n - j < VL ? n - j : VL;
-        if (D == 128)
-            score_keys(qr, G, tb + j * D, cnt, 128, scale, w, SP, s0 + j);
-        else if (D == 64)
-            score_keys(qr, G, tb + j * D, cnt, 64, scale, w, SP, s0 + j);
-        else
-            score_keys(qr, G, tb + j * D, cnt, D, scale, w, SP, s0 + j);
-    }
+    for (long j = 0; j < n; j += VL) score_group(qr, G, tb + j * D, n - j < VL ? n - j : VL, D, scale, w, SP, s0 + j);
 }
 
 /* In place: w[0 … p] -> exp(w - max); returns 1 / Σ. Lanes past p (to a multiple of 8) are set to
@@ -504,9 +503,9 @@ static inline long tile_at(const kv_view *kv, const int64_t *table, long s0, lon
         }                                                                                                \
         for (long i = 0; i < nr; i++)                                                                    \
             for (int g = 0; g < G; g++) inv[i * G + g] = softmax_row(w + (i * G + g) * SP, pos[r0 + i]); \
+        const kv_rows vt = {(const char *)tb, NULL, D, 1, 0};          /* the converted value tile */ \
         for (long s0 = 0, n, blk, j0; s0 <= pmax; s0 += n) {                                             \
             n = tile_at(kv, table, s0, pmax, kt, &blk, &j0);                                             \
-            kv_rows vt = {(const char *)tb, NULL, D, 1, 0};                                              \
             if (shared) {                                                                                \
                 kv_rows vr = kv_rows_at(kv, kv->v, kv->vs, blk, kh, D);                                  \
                 convert_tile(&vr, j0, n, D, tb);                                                         \
