@@ -678,3 +678,39 @@ def test_a_catch_up_is_repaid_only_by_the_rounds_its_source_is_expected_to_draft
     assert broke_off.preferred[0] == "ngram:1"
     p.choose_for(broke_off, [writing])
     assert broke_off.preferred[1] == "draft"
+
+
+def test_inside_a_copy_one_miss_does_not_hold_k_down_for_good():
+    """A long lookup match (a copied file) missed once at position 3 of a 24-token round. Per position,
+    K = 3 rounds never verify position 3 again, so its estimate — and K — would stay where the miss
+    left them; pooled over positions, each accepted round counts for all, and K climbs back."""
+    def run(source):
+        p = KPolicy("auto", k_max=32)
+        p.costs.seed({n: 1.0 + 0.2 * (n - 1) for n in (2, 4, 8, 16, 32)})
+        p.costs.record_verify(1, 0.03)
+        p.shared[(source, "greedy")] = [1.0] * 32
+        p.observe(0, source, 23, 3)                   # the miss
+        ks = []
+        for _ in range(12):
+            k = p.choose(0, source, remaining=2000)
+            p.observe(0, source, k, k)                # every later round accepted whole
+            ks.append(k)
+        return ks
+
+    pooled = run("ngram:16+")
+    assert pooled[-1] >= 16, pooled
+    from verispec.engine import k_policy
+
+    per_position = run("draft")                        # a per-position source, same evidence
+    assert per_position[-1] <= 4 and per_position[-1] < pooled[-1], per_position
+    assert "ngram:16+" in k_policy.POOLED_SOURCES and "ngram:3" not in k_policy.POOLED_SOURCES
+
+
+def test_a_pooled_estimate_counts_every_verified_draft():
+    from verispec.engine.k_policy import POOLED_PRIOR
+
+    e = AcceptanceEstimate([0.8] * 8, pooled=True)
+    assert e.hits / e.verified == pytest.approx(0.8) and e.verified == POOLED_PRIOR
+    e.update(proposed=8, accepted=3)                  # 3 accepted, the 4th rejected: 4 verified
+    rate = ((1 - EMA) * 0.8 * POOLED_PRIOR + 3) / ((1 - EMA) * POOLED_PRIOR + 4)
+    assert e.rates == [pytest.approx(rate)] * 8

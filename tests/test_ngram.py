@@ -106,3 +106,85 @@ def test_lookup_cost_does_not_grow_with_the_context():
         idx.find(toks, 64)
     per_round = (time.perf_counter() - t) / 200
     assert per_round < 2e-3, per_round
+
+
+def test_docstring_example_an_edit_before_the_match_is_applied_to_the_continuation():
+    from verispec.proposers.match_index import MatchIndex
+
+    idx = MatchIndex()
+    toks = [10, 11, 12, 4, 13, 14, 15, 16, 4, 17, 10, 11, 12, 9, 13, 14, 15]
+    assert idx.find(toks, 3) == (7, [16, 9, 17])
+    assert idx.edits == {(4,): (9,)}
+
+
+def test_a_renamed_variable_is_proposed_renamed_after_its_first_rename():
+    """A file re-emitted with one name changed (token 7 -> 70): once the copy has realigned after
+    the first rename, the rest is proposed with the new name at every later use."""
+    from verispec.proposers.match_index import MatchIndex
+
+    source = [20, 21, 22, 1, 7, 2, 3, 4, 5, 7, 6, 8, 9, 11, 12, 7, 13, 14, 15, 16, 7, 17]
+    renamed = [70 if t == 7 else t for t in source]
+    toks = [0] + source + [0] + renamed[:8]             # the copy: past the first rename, realigned after it
+    idx = MatchIndex()
+    assert idx.find(toks, 14) == (9, renamed[8:])      # 3 matched + the rename + 5 agreeing before it
+    assert idx.edits == {(7,): (70,)}
+
+
+def test_an_insertion_is_anchored_to_the_token_it_follows():
+    from verispec.proposers.match_index import MatchIndex, apply_edits
+
+    source = [1, 2, 3, 4, 5, 6, 7, 8, 5, 9]
+    copy = [1, 2, 3, 4, 5, 50, 6, 7, 8]                 # 50 inserted after 5
+    idx = MatchIndex()
+    assert idx.find(source + [0] + copy, 3) == (9, [5, 50, 9])
+    assert idx.edits == {(5,): (5, 50)}
+    # A place that already reads the replacement is left as it is.
+    assert apply_edits([5, 50, 9, 5, 1], [((5,), (5, 50))]) == \
+        ([5, 50, 9, 5, 50, 1], [0, 1, 2, None, 3, 4], [(3, (5,), (5, 50))])
+
+
+def test_an_edit_the_text_refutes_is_forgotten():
+    from verispec.proposers.match_index import MatchIndex
+
+    idx = MatchIndex()
+    toks = [10, 11, 12, 4, 13, 14, 15, 16, 4, 17, 10, 11, 12, 9, 13, 14, 15]
+    assert idx.find(toks, 3) == (7, [16, 9, 17])
+    assert idx.find(toks + [16], 3)[1] == [9, 17, 10]   # not refuted yet: still applied
+    assert idx.find(toks + [16, 4], 3)[1] == [17, 10, 11] and idx.edits == {}
+
+
+def test_no_edit_without_agreeing_text_before_the_break():
+    from verispec.proposers.match_index import edit_before
+
+    toks = [10, 11, 12, 4, 13, 14, 15, 99, 98, 97, 9, 13, 14, 15]
+    assert edit_before(toks, 6, len(toks) - 1, 3) is None
+    toks = [10, 11, 12, 4, 13, 14, 15, 10, 11, 12, 9, 13, 14, 15]
+    assert edit_before(toks, 6, len(toks) - 1, 3) == ((4,), (9,), 7)
+
+
+def test_a_copy_through_an_edit_goes_on_from_its_source():
+    """After the text took a proposal whose edit put in the new name, its suffix ([31 70]) occurs
+    nowhere earlier — on its own the lookup would follow the earlier 70 ([2 3 4]). The index goes on
+    from where the proposal copied; once the text leaves that copy, it searches again."""
+    from verispec.proposers.match_index import MatchIndex
+
+    source = [20, 21, 22, 1, 7, 2, 3, 4, 5, 30, 31, 7, 32, 33, 34, 35]
+    renamed = [70 if t == 7 else t for t in source]
+    toks = [0] + source + [0] + renamed[:8]
+    idx = MatchIndex()
+    assert idx.find(toks, 4) == (9, [5, 30, 31, 70])
+    toks += [5, 30, 31, 70]                               # all four taken
+    assert idx.find(toks, 3) == (13, [32, 33, 34])
+    assert MatchIndex().find(toks, 3)[1] == [2, 3, 4]     # a fresh index: the suffix search alone
+    toks += [32, 99]                                      # the text leaves the copy
+    assert idx.find(toks, 3) == (0, [])                  # 99 never occurred: nothing to propose
+
+
+def test_a_deletion_is_learned_applied_and_refuted_like_any_edit():
+    from verispec.proposers.match_index import MatchIndex
+
+    source = [10, 11, 12, 4, 13, 14, 15, 16, 4, 17]
+    idx = MatchIndex()
+    toks = source + [0, 10, 11, 12, 13, 14, 15]            # the copy dropped the 4
+    assert idx.find(toks, 3) == (6, [16, 17, 0]) and idx.edits == {(4,): ()}
+    assert idx.find(toks + [16, 4], 3) == (8, [17, 0, 10]) and idx.edits == {}   # the text kept this 4

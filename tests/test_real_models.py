@@ -113,6 +113,33 @@ def test_greedy_speculative_equals_plain_on_the_real_pair(real_pair):
     assert sum(o.spec["accepted"] for o in heads) > 0
 
 
+def test_lookup_copies_a_renamed_variable_through_its_edit(real_pair):
+    """The 1.5B renames `tmp` to `total` while re-emitting a function: after the first rename the
+    lookup proposes the new name at the later uses (it learned the edit), the copy runs through them in
+    fewer rounds than without edits, and greedy output stays the plain one."""
+    import verispec.proposers.match_index as match_index
+
+    target, _ = real_pair
+    code = ("def summarize(orders):\n    tmp = 0\n    for order in orders:\n        if order.status == 'paid':\n"
+            "            tmp += order.amount\n        elif order.status == 'refunded':\n            tmp -= order.amount\n"
+            "    print('total:', tmp)\n    return tmp\n")
+    plain_llm = LLM(target, proposer="none")
+    prompt = plain_llm.chat_prompt([{"role": "user", "content": "Rename the variable `tmp` to `total` everywhere in "
+                                     f"this code and return the full code:\n\n```python\n{code}```"}])
+    params = SamplingParams(temperature=0, max_tokens=72)
+    plain = plain_llm.generate([prompt], params)[0]
+    assert plain.text.count("total") >= 4 and " tmp" not in plain.text
+    with_edits = LLM(target, proposer="ngram").generate([prompt], params)[0]
+    learn = match_index.edit_before
+    match_index.edit_before = lambda *a: None
+    try:
+        without = LLM(target, proposer="ngram").generate([prompt], params)[0]
+    finally:
+        match_index.edit_before = learn
+    assert with_edits.token_ids == plain.token_ids == without.token_ids
+    assert with_edits.spec["rounds"] < without.spec["rounds"]
+
+
 @pytest.mark.real
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_greedy_speculative_equals_plain_on_the_native_pass(fmt):

@@ -44,6 +44,14 @@ PRIOR_SLOPE = 0.35        # unmeasured c_p(n) ≈ c_p(m) + slope · c_p(1) · (n
 PRIOR_RATE = {"draft": 0.7, "ngram": 0.5, "head": 0.5}
 LOOKUP_PRIOR_RATE = {"1": 0.2, "2": 0.5, "3": 0.7, "4-7": 0.75, "8-15": 0.8, "16+": 0.85}   # "ngram:<bucket>"
 K_MAX = ROW_EXACT_MAX_T - 1   # the widest lookahead: a verify pass must stay row-exact (a long copied match)
+# Inside an established copy (lookup matches of 8+ tokens) a draft is right or wrong wherever it
+# stands in the round: an edit ahead breaks the copy at one place. Those sources keep one rate for
+# every position, from all drafts verified (AcceptanceEstimate.pooled). Per position, one miss at
+# position 3 of a 24-token round held K at 3 for the rest of a 800-token answer: K = 3 rounds never
+# verify position 3 again, so its estimate could not recover (a rename in a copied file, 135 rounds
+# where one rate took 94).
+POOLED_SOURCES = ("ngram:8-15", "ngram:16+")
+POOLED_PRIOR = 4.0        # a pooled estimate's prior counts as this many verified drafts
 PROBE_EVERY = 16          # after this many K = 0 rounds, try K = 1 once to refresh the estimate …
 PROBE_MAX = 256           # … doubling the wait after each probe that did not revive speculation
 SHARED_EMA = 0.05         # weight of one sequence's round in the shared (cross-sequence) prior
@@ -275,7 +283,8 @@ class CostModel:
 
 @dataclass
 class AcceptanceEstimate:
-    """Running per-position acceptance rates of one sequence for one proposer source."""
+    """Running per-position acceptance rates of one sequence for one proposer source (for
+    POOLED_SOURCES one rate, the same at every position)."""
 
     rates: list[float]
     seen: list[int] = field(default_factory=list)      # observations per position so far
@@ -286,9 +295,15 @@ class AcceptanceEstimate:
     regime: str = "greedy"    # greedy | sampled: which shared prior this sequence feeds
     cap: int | None = None    # the source drafts at most this many tokens: later positions stay 0
     fresh: bool = True        # no round chosen for this sequence and source yet
+    pooled: bool = False      # one rate for every position: accepted / verified drafts, per round EMA
+    hits: float = 0.0         # pooled: decayed counts of accepted and of verified drafts
+    verified: float = 0.0
 
     def __post_init__(self):
         self.seen = self.seen or [0] * len(self.rates)
+        if self.pooled:
+            self.rates = [self.rates[0]] * len(self.rates)
+            self.hits, self.verified = self.rates[0] * POOLED_PRIOR, POOLED_PRIOR
         self._apply_cap()
 
     def _apply_cap(self) -> None:
@@ -300,7 +315,8 @@ class AcceptanceEstimate:
               regime: str = "greedy", cap: int | None = None, rate: float | None = None) -> "AcceptanceEstimate":
         """rate: the fixed prior (default prior_rate(source))."""
         rate = prior_rate(source) if rate is None else rate
-        return cls(list(shared) if shared else [rate] * k_max, regime=regime, cap=cap)
+        return cls(list(shared) if shared else [rate] * k_max, regime=regime, cap=cap,
+                   pooled=source in POOLED_SOURCES)
 
     def update(self, proposed: int, accepted: int) -> None:
         """Positions 0 … min(accepted, proposed−1) were reached; those < accepted were accepted.
@@ -310,13 +326,23 @@ class AcceptanceEstimate:
         which then keeps the estimate moving. A sequence thus leaves a wrong prior after one or two
         rounds instead of four or five (each a verify pass wider than plain decoding's).
         Positions never reached yet follow the deepest observed one, so a proposer that is always
-        accepted at K gets to try K+1 instead of being held back by the prior."""
+        accepted at K gets to try K+1 instead of being held back by the prior.
+
+        Pooled: accepted and verified drafts are counted over rounds (each round's counts decayed by
+        1 − EMA, the prior counting as POOLED_PRIOR drafts), and every position's rate is their
+        ratio: a miss anywhere lowers all positions a little, and every hit counts for all."""
         depth = min(accepted + 1, proposed)
+        self.reached = max(self.reached, depth)
+        if self.pooled:                      # a round's drafts, as one batch of evidence (EMA per round)
+            self.hits = (1 - EMA) * self.hits + accepted
+            self.verified = (1 - EMA) * self.verified + depth
+            self.rates = [self.hits / self.verified] * len(self.rates)
+            self._apply_cap()
+            return
         for i in range(depth):
             hit = 1.0 if i < accepted else 0.0
             self.seen[i] += 1
             self.rates[i] = _running(self.rates[i], hit, self.seen[i], PRIOR_WEIGHT)
-        self.reached = max(self.reached, depth)
         for i in range(self.reached, len(self.rates)):
             self.rates[i] = self.rates[self.reached - 1]
         self._apply_cap()
@@ -550,6 +576,9 @@ class KPolicy:
         est = self._estimate(slot, source, use_shared=False)
         est.update(proposed, accepted)
         shared = self.shared.setdefault((source, est.regime), [self._prior_rate(source)] * self.k_max)
+        if est.pooled:
+            shared[:] = [(1 - SHARED_EMA) * shared[0] + SHARED_EMA * accepted / min(accepted + 1, proposed)] * len(shared)
+            return
         for i in range(min(accepted + 1, proposed)):
             shared[i] = (1 - SHARED_EMA) * shared[i] + SHARED_EMA * (1.0 if i < accepted else 0.0)
 

@@ -3,7 +3,8 @@ far (prompt + generated) and propose what followed it — a point-mass proposal,
 `MatchIndex` (match_index.py) keeps that search incremental and bounded: a 4-token-or-longer match
 proposes the continuation of its longest occurrence, as far as the earlier text goes (up to K, which
 `auto` may take to 64 when an answer copies its input); a 1–3-token match proposes the most frequent
-continuation among recent occurrences.
+continuation among recent occurrences. A copy with a systematic change (a rename) teaches the index
+the edit, which it then applies to what it proposes (match_index.py, "Edits").
 
 The length of the matched suffix predicts acceptance: on the bundled suite (greedy, the 1.5B's own
 continuations) the first proposed token was right 21 % of the time after a 1-token match, 50 %
