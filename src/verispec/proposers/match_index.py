@@ -177,11 +177,16 @@ class MatchIndex:
             ranked = [(n, latest[c]) for c in sorted(votes, key=lambda c: (-votes[c], -latest[c]))]
         edits = list(self.edits.items())[::-1][:EDITS_KEPT]         # most recent first
         followed = self._followed(tokens, k, edits) if self._follow else None
-        found = [(True, *followed)] if followed else []
-        found += [(False, m, *self._continuation(tokens, p, k, edits)) for m, p in ranked]
+
+        def continuations():                                         # made as needed, best first
+            if followed:
+                yield (True, *followed)
+            for m, p in ranked:
+                yield (False, m, *self._continuation(tokens, p, k, edits))
+
         self._follow = None
         out: list[tuple[int, list[int]]] = []
-        for follows, m, cont, src, applied in found:
+        for follows, m, cont, src, applied in continuations():
             if cont[:k] and not any(c[: len(cont[:k])] == cont[:k] for _, c in out):
                 if not out:                                          # the proposal
                     pending = {a[0] for a in self._applied}
