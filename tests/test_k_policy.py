@@ -714,3 +714,38 @@ def test_a_pooled_estimate_counts_every_verified_draft():
     e.update(proposed=8, accepted=3)                  # 3 accepted, the 4th rejected: 4 verified
     rate = ((1 - EMA) * 0.8 * POOLED_PRIOR + 3) / ((1 - EMA) * POOLED_PRIOR + 4)
     assert e.rates == [pytest.approx(rate)] * 8
+
+
+class DraftOnly(TwoSources):
+    """No match this round: the draft (with its catch-up) is the only source."""
+
+    def options(self, seq):
+        return [("draft", self.draft_backlog)]
+
+    def source_for(self, seq):
+        return "draft"
+
+    def backlog(self, seq):
+        return self.draft_backlog
+
+
+def test_a_catch_up_is_repaid_by_the_share_of_rounds_its_source_drafts_even_as_the_only_source():
+    """An answer that copies its input: lookup won 40 rounds in a row, then a match breaks off and the
+    draft, 1,200 tokens behind, is the only source. Its catch-up is priced against the rounds it is
+    expected to draft (a share of 1 in 21), not the whole remainder, so the round decodes plainly;
+    a sequence that the draft has drafted all along still catches up."""
+    from types import SimpleNamespace
+
+    from verispec.engine.params import SamplingParams
+
+    p = two_source_policy()
+    p.costs.record_catchup("draft", 100, 100 * 0.0016)           # the 0.5B's prefill: 1.6 ms a token
+    params = SamplingParams(temperature=0, max_tokens=3000)
+    copying = SimpleNamespace(slot=0, generated=[1] * 400, params=params)
+    for _ in range(40):
+        p.choose_for(TwoSources("ngram:16+", draft_backlog=1200), [copying])
+    assert p.choose_for(DraftOnly("ngram:16+", draft_backlog=1200), [copying]) == [0]
+    drafting = SimpleNamespace(slot=1, generated=[1] * 400, params=params)
+    for _ in range(40):
+        p.choose_for(DraftOnly("ngram:16+"), [drafting])
+    assert p.choose_for(DraftOnly("ngram:16+", draft_backlog=1200), [drafting]) != [0]

@@ -541,7 +541,11 @@ class KPolicy:
         batch = batch or len(seqs)
         backlogs = backlogs or [0] * len(seqs)
         remaining = [s.params.max_tokens - len(s.generated) for s in seqs]
-        horizons = [self._horizon(s, bl) for s, bl in zip(seqs, backlogs)]
+        # A catch-up is repaid only over the share of the rounds its source drafts (choose_for), also
+        # where it is the only source this round: a hybrid whose lookup copies the answer caught its
+        # draft up on a 1,276-token prompt (2.2 s) at the one place a match broke off.
+        horizons = [self._horizon(s, bl) * (self._share(s.slot, src) if bl and self.auto else 1.0)
+                    for s, src, bl in zip(seqs, sources, backlogs)]
         if len(seqs) == 1 or not self.auto:
             return [self.choose(s.slot, src, r, batch, s.params.reproducible, s.params.greedy, bl, h)
                     for s, src, r, bl, h in zip(seqs, sources, remaining, backlogs, horizons)]
