@@ -47,9 +47,9 @@ K_MAX = ROW_EXACT_MAX_T - 1   # the widest lookahead: a verify pass must stay ro
 # Inside an established copy (lookup matches of 8+ tokens) a draft is right or wrong wherever it
 # stands in the round: an edit ahead breaks the copy at one place. Those sources keep one rate for
 # every position, from all drafts verified (AcceptanceEstimate.pooled). Per position, one miss at
-# position 3 of a 24-token round held K at 3 for the rest of a 800-token answer: K = 3 rounds never
-# verify position 3 again, so its estimate could not recover (a rename in a copied file, 135 rounds
-# where one rate took 94).
+# position 3 of a 24-token round held K at 3 for the rest of an 800-token answer: K = 3 rounds never
+# verify position 3 again, so its estimate could not recover (a rename in a copied file: 95 rounds
+# per position, 64 pooled, alternated in one process).
 POOLED_SOURCES = ("ngram:8-15", "ngram:16+")
 POOLED_PRIOR = 4.0        # a pooled estimate's prior counts as this many verified drafts
 PROBE_EVERY = 16          # after this many K = 0 rounds, try K = 1 once to refresh the estimate …

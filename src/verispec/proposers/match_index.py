@@ -65,7 +65,7 @@ def edit_before(tokens: list[int], p: int, end: int, m: int) -> tuple[tuple[int,
         for a in range(max(0, s - EDIT_SPAN), min(s, EDIT_SPAN) + 1):
             b = s - a
             x, y = j - a, i - b                  # the last agreeing tokens, earlier and later
-            if x - EDIT_ANCHOR + 1 < 0 or y < j or x >= y:
+            if x - EDIT_ANCHOR + 1 < 0 or y < j or x >= y:   # in the text; B after A; two places
                 continue
             if any(tokens[x - t] != tokens[y - t] for t in range(EDIT_ANCHOR)):
                 continue
