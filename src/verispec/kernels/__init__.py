@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from verispec.cache import atomic_file, cache_dir
-from verispec.kernels.abi import CacheLayout, DecoderDims, LayerWeights, LinearWeights  # noqa: F401
+from verispec.kernels.abi import (CacheLayout, DecoderDims, LayerWeights, LinearWeights,  # noqa: F401
+                                  bf16_block_length, pairs_from_keys, pairs_from_values)
 from verispec.kernels import packing
 from verispec.kernels.packing import (BLOCK, int6_rows, pack_int4, pack_int6, pack_int8,  # noqa: F401
                                       select_block_rows, unpack_int4, unpack_int6, unpack_int8)
@@ -358,10 +359,16 @@ def _attend_rows(lib, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if (q.dtype != torch.float32 or keys.dtype not in (torch.float32, torch.bfloat16) or values.dtype != keys.dtype
             or keys.stride() != values.stride() or keys.stride(3) != 1 or keys.stride(2) != d or h % hkv):
         return None
+    if keys.dtype == torch.bfloat16 and d % 2:
+        return None
     q = q.transpose(1, 2).contiguous()                                       # (B, T, H, D)
     positions = positions.to(torch.int64).contiguous()
     if int(positions.max()) >= s or int(positions.min()) < 0:
         raise ValueError(f"attend_rows: positions outside the {s} cached keys")
+    if keys.dtype == torch.bfloat16:                     # the kernels read bf16 as a store holds it (abi.py)
+        pad = (0, 0, 0, bf16_block_length(s) - s)
+        keys = pairs_from_keys(torch.nn.functional.pad(keys, pad))          # (B, H_kv, S', D) paired
+        values = pairs_from_values(torch.nn.functional.pad(values, pad))
     rows = torch.arange(b, dtype=torch.int64)                                # each row one block: its own keys
     out = torch.empty(b, t, h, d, dtype=torch.float32)
     if lib.verispec_attend_rows(q.data_ptr(), keys.data_ptr(), values.data_ptr(), rows.data_ptr(), 1, s,

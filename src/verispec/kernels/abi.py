@@ -7,6 +7,54 @@ from dataclasses import dataclass
 
 import torch
 
+# A bfloat16 KV store pairs its elements in 32-bit words (kernels.h): per block and KV head, keys in
+# groups of KV_KEY_GROUP positions, word (p, j) holding dimensions 2p, 2p + 1 of key j; values word
+# (m, d) holding dimension d of positions 2m, 2m + 1. The attention kernels then read a key per lane
+# and multiply value pairs without rearranging either. A block holds bf16_block_length(n) positions.
+KV_KEY_GROUP = 16
+
+
+def bf16_block_length(positions: int) -> int:
+    """Positions a bf16 block stores for `positions`: rounded up to a whole group of keys."""
+    return -(-positions // KV_KEY_GROUP) * KV_KEY_GROUP
+
+
+def paired_keys(t: torch.Tensor) -> torch.Tensor:
+    """A view of stored bf16 keys (..., S, D) as (..., S / 16, D / 2, 16, 2): [g, p, i, e] is
+    dimension 2p + e of position 16g + i."""
+    *lead, s, d = t.shape
+    return t.view(*lead, s // KV_KEY_GROUP, d // 2, KV_KEY_GROUP, 2)
+
+
+def paired_values(t: torch.Tensor) -> torch.Tensor:
+    """A view of stored bf16 values (..., S, D) as (..., S / 2, D, 2): [m, d, e] is dimension d of
+    position 2m + e."""
+    *lead, s, d = t.shape
+    return t.view(*lead, s // 2, d, 2)
+
+
+def keys_from_pairs(t: torch.Tensor) -> torch.Tensor:
+    """Stored bf16 keys (..., S, D) -> the keys position by position (..., S, D), a copy."""
+    return paired_keys(t).transpose(-3, -2).reshape(t.shape)
+
+
+def values_from_pairs(t: torch.Tensor) -> torch.Tensor:
+    """Stored bf16 values (..., S, D) -> the values position by position (..., S, D), a copy."""
+    return paired_values(t).transpose(-2, -1).reshape(t.shape)
+
+
+def pairs_from_keys(x: torch.Tensor) -> torch.Tensor:
+    """Keys position by position (..., S, D), S a multiple of 16 -> as a bf16 store holds them."""
+    *lead, s, d = x.shape
+    return x.reshape(*lead, s // KV_KEY_GROUP, KV_KEY_GROUP, d // 2, 2).transpose(-3, -2).reshape(x.shape)
+
+
+def pairs_from_values(x: torch.Tensor) -> torch.Tensor:
+    """Values position by position (..., S, D), S even -> as a bf16 store holds them."""
+    *lead, s, d = x.shape
+    return x.reshape(*lead, s // 2, 2, d).transpose(-2, -1).reshape(x.shape)
+
+
 class LinearWeights(ctypes.Structure):
     """One linear for decoder.c: format 0 = int8 (w, scale), 1 = int4 (w, scale = the groups' multipliers,
     super = the super-blocks' factors), 2 = int6 (w, scale = the half-groups' int8 scales, super = the
@@ -30,7 +78,7 @@ class DecoderDims(ctypes.Structure):
 class CacheLayout:
     """Where the decoder pass reads and writes keys and values (decoder.c, kernels.h's kv_view): position s
     of batch row b, layer l, KV head h at store[l · layer_stride + tables[b, s // block] · block_stride
-    + h · head_stride + (s % block) · D]. k, v float32 or bfloat16 stores, or int8 stores with ks, vs float32 scales,
+    + h · head_stride + (s % block) · D] (bf16 stores: at their paired places inside the block, above). k, v float32 or bfloat16 stores, or int8 stores with ks, vs float32 scales,
     one per `group` dimensions, at scale[l · sc_layer_stride + tables[…] · sc_block_stride
     + h · sc_head_stride + (s % block) · D / group + d / group]; tables (B, NB) int64 contiguous."""
     k: torch.Tensor

@@ -28,7 +28,6 @@ typedef __m512 vec;
 #define vset1 _mm512_set1_ps
 #define vsum _mm512_reduce_add_ps
 #define vload8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-#define vloadbf(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #else
 #define VL 8
 typedef __m256 vec;
@@ -40,7 +39,6 @@ typedef __m256 vec;
 #define vset1 _mm256_set1_ps
 #define vsum hsum
 #define vload8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-#define vloadbf(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
 
 /* Keys and values are visited in tiles of at most KT positions inside one block when a work item has
@@ -49,38 +47,36 @@ typedef __m256 vec;
    row sees its own positions in ascending order either way, so the tiling never changes a bit. */
 #define KT 32
 
-/* One KV head's rows in one block of the key (or value) store, in the store's format (kv_view): row j,
-   dimension d at element j · D + d of base; int8 rows scaled per sg dimensions by sc. */
+/* One KV head's rows in one block of a float32 or int8 key (or value) store (kv_view): row j, dimension d
+   at element j · D + d of base; int8 rows scaled per sg dimensions by sc. (bf16 stores pair their
+   elements instead and have functions of their own, below.) */
 typedef struct {
     const char *base;
     const float *sc;
     long D, sg;
-    int bf16;
 } kv_rows;
 
 static inline kv_rows kv_rows_at(const kv_view *kv, const void *store, const float *scales, long blk, long kh,
                                  long D) {
-    long at = kv_esize(kv->ks != NULL, kv->bf16) * (blk * kv->blk_stride + kh * kv->head_stride);   /* bytes */
+    long at = kv_esize(kv->ks != NULL, 0) * (blk * kv->blk_stride + kh * kv->head_stride);   /* bytes */
     kv_rows r = {(const char *)store + at, scales ? scales + blk * kv->sc_blk_stride + kh * kv->sc_head_stride : NULL,
-                 D, kv->sg, kv->bf16};
+                 D, kv->sg};
     return r;
 }
 
-enum { ROWS_F32, ROWS_INT8, ROWS_BF16 };
-static inline int rows_format(const kv_rows *r) { return r->sc ? ROWS_INT8 : r->bf16 ? ROWS_BF16 : ROWS_F32; }
+enum { ROWS_F32, ROWS_INT8 };
+static inline int rows_format(const kv_rows *r) { return r->sc ? ROWS_INT8 : ROWS_F32; }
 
-/* Dimensions d … d+VL-1 of row j as float32: stored floats, int8 · its group's scale, or bf16 widened
-   (fmt = rows_format(r); a hot loop passes it as a constant, so each format gets its own loop). */
+/* Dimensions d … d+VL-1 of row j as float32: stored floats or int8 · its group's scale (fmt =
+   rows_format(r); a hot loop passes it as a constant, so each format gets its own loop). */
 static inline __attribute__((always_inline)) vec row_vec(const kv_rows *r, long j, long d, const int fmt) {
     if (fmt == ROWS_INT8)
         return vmul(vload8((const int8_t *)r->base + j * r->D + d), vset1(r->sc[j * (r->D / r->sg) + d / r->sg]));
-    if (fmt == ROWS_BF16) return vloadbf((const uint16_t *)r->base + j * r->D + d);
     return vload((const float *)r->base + j * r->D + d);
 }
 
 static inline float row_at(const kv_rows *r, long j, long d) {
     if (r->sc) return (float)((const int8_t *)r->base)[j * r->D + d] * r->sc[j * (r->D / r->sg) + d / r->sg];
-    if (r->bf16) return bf16_to_f32(((const uint16_t *)r->base)[j * r->D + d]);
     return ((const float *)r->base)[j * r->D + d];
 }
 
@@ -153,10 +149,244 @@ static inline void store_keys(float *w, vec s, long cnt) {
    read head by head, each key row in D / VL pieces, a pattern the hardware prefetcher follows less
    well than one key row after another; so the next group is fetched ahead. */
 static inline void prefetch_keys(const kv_view *kv, long blk, long j0, long n, long kh, long D) {
-    long size = kv_esize(kv->ks != NULL, kv->bf16);
+    long size = kv_esize(kv->ks != NULL, 0);
     const char *p = (const char *)kv->k + size * (blk * kv->blk_stride + kh * kv->head_stride + j0 * D);
     for (long off = 0; off < n * D * size; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
+
+/* bf16 stores pair their elements (kernels.h, KV_KEY_GROUP): keys pair dimensions — the 32-bit word
+   (p, j) of a block's group of 16 key rows holds dimensions 2p and 2p + 1 of key j — and values pair
+   positions — the word (m, d) holds dimension d of positions 2m and 2m + 1. A vector load of keys then
+   holds one pair of dimensions of consecutive keys (a key per lane: the dot products need no sum across
+   lanes) and one of values a dimension per lane for two positions (the pair `vdpbf16ps` multiplies).
+   Tiles start at a multiple of KV_KEY_GROUP positions inside a block (block starts, or KT = 32 on),
+   so a tile's keys begin a group and its positions begin a pair. */
+static inline const uint32_t *paired_words(const kv_view *kv, const void *store, long blk, long kh) {
+    return (const uint32_t *)((const uint16_t *)store + blk * kv->blk_stride + kh * kv->head_stride);
+}
+
+/* Word (p, j) of the keys j0 + j onwards: groups of KV_KEY_GROUP keys, D / 2 words each. */
+static inline const uint32_t *key_words(const uint32_t *chunk, long j, long D) {
+    return chunk + (j / KV_KEY_GROUP) * (D / 2) * KV_KEY_GROUP + j % KV_KEY_GROUP;
+}
+
+#if defined(__AVX512BF16__)
+static inline __mmask16 lanes16(long n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* NV = 1 or 2 vectors of 16 keys (cnt ≤ 16 · NV of them) against G queries as bf16 pairs qp[g]: a
+   score is Σ_p in order of `vdpbf16ps`'s k_{2p} q_{2p} + k_{2p+1} q_{2p+1}, in the key's own lane. */
+static inline __attribute__((always_inline)) void score_pairs_bf16(const uint32_t (*qp)[272], const int G, const int NV,
+                                                                   const uint32_t *k, long cnt, long P, float scale,
+                                                                   float *w, long SP, long s) {
+    __mmask16 m[2] = {lanes16(cnt), lanes16(cnt - 16)};
+    __m512 acc[GMAX][2];
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < NV; v++) acc[g][v] = _mm512_setzero_ps();
+    for (long p = 0; p < P; p++) {
+        __m512i x[2];
+        for (int v = 0; v < NV; v++) x[v] = _mm512_maskz_loadu_epi32(m[v], k + v * P * 16 + p * 16);
+        for (int g = 0; g < G; g++) {
+            __m512bh b = (__m512bh)_mm512_set1_epi32((int)qp[g][p]);
+            for (int v = 0; v < NV; v++) acc[g][v] = _mm512_dpbf16_ps(acc[g][v], (__m512bh)x[v], b);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < NV; v++)
+            _mm512_mask_storeu_ps(w + g * SP + s + 16 * v, m[v], _mm512_mul_ps(acc[g][v], _mm512_set1_ps(scale)));
+}
+
+/* G query vectors qr[g] against positions s0 … s0+n-1 (offsets j0 … of block blk) of a bf16 store: each
+   query rounded to bf16 (`vcvtne2ps2bf16`, nearest, ties to even), 32 keys at a time. Twice the multiply
+   rate of float32 FMAs; the price is the query's rounding (the keys are bf16 already). */
+static inline __attribute__((always_inline)) void score_paired(const float *const *qr, const int G, const kv_view *kv,
+                                                               long blk, long j0, long n, long s0, long kh, long D,
+                                                               float scale, float *w, long SP) {
+    const uint32_t *chunk = paired_words(kv, kv->k, blk, kh);
+    const long P = D / 2;
+    uint32_t qp[GMAX][272];                               /* D ≤ 512: 256 pairs, and a vector's slack */
+    for (int g = 0; g < G; g++)
+        for (long p = 0; p < P; p += 16)
+            _mm512_storeu_si512(qp[g] + p, (__m512i)_mm512_cvtne2ps_pbh(
+                                               _mm512_maskz_loadu_ps(lanes16(2 * (P - p) - 16), qr[g] + 2 * p + 16),
+                                               _mm512_maskz_loadu_ps(lanes16(2 * (P - p)), qr[g] + 2 * p)));
+    for (long j = 0; j < n; j += 32) {
+        long cnt = n - j < 32 ? n - j : 32;
+        const uint32_t *k = key_words(chunk, j0 + j, D);
+        if (cnt > 16)
+            score_pairs_bf16(qp, G, 2, k, cnt, P, scale, w, SP, s0 + j);
+        else
+            score_pairs_bf16(qp, G, 1, k, cnt, P, scale, w, SP, s0 + j);
+    }
+}
+
+/* out_g[d] += w_s · v_s[d] + w_{s+1} · v_{s+1}[d] for each pair of positions (s, s + 1) from s0 on, in
+   ascending order, by `vdpbf16ps` on the weights rounded to bf16: 16 · NV dimensions at a time for all
+   G heads. A lone last position (n odd) pairs with a zero weight and a zeroed value. */
+static inline __attribute__((always_inline)) void mix_pairs_bf16(const uint32_t (*wp)[16], const int G, const int NV,
+                                                                 const uint32_t *v, long np, long odd, long D, long d,
+                                                                 float *const *out) {
+    __m512 acc[GMAX][4];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < NV; c++) acc[g][c] = _mm512_loadu_ps(out[g] + d + 16 * c);
+    for (long m = 0; m < np; m++) {
+        __m512i x[4];
+        for (int c = 0; c < NV; c++) {
+            x[c] = _mm512_loadu_si512(v + m * D + d + 16 * c);
+            if (odd && m == np - 1) x[c] = _mm512_and_si512(x[c], _mm512_set1_epi32(0xFFFF));
+        }
+        for (int g = 0; g < G; g++) {
+            __m512bh b = (__m512bh)_mm512_set1_epi32((int)wp[g][m]);
+            for (int c = 0; c < NV; c++) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], (__m512bh)x[c], b);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(out[g] + d + 16 * c, acc[g][c]);
+}
+
+static inline __attribute__((always_inline)) void mix_paired(const float *w, long SP, const int G, const kv_view *kv,
+                                                             long blk, long j0, long n, long s0, long kh, long D,
+                                                             float *const *out) {
+    const uint32_t *chunk = paired_words(kv, kv->v, blk, kh) + (j0 / 2) * D;
+    const int NV = G <= 6 ? 4 : 2;                        /* accumulators G · NV, within 32 registers */
+    uint32_t wp[GMAX][16];                                /* per head: 16 pairs of bf16 weights */
+    for (long c = 0; c < n; c += 32) {
+        long cn = n - c < 32 ? n - c : 32, np = (cn + 1) / 2, odd = cn % 2;
+        const uint32_t *v = chunk + (c / 2) * D;
+        for (int g = 0; g < G; g++) {
+            const float *ws = w + g * SP + s0 + c;
+            _mm512_storeu_si512(wp[g], (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(lanes16(cn - 16), ws + 16),
+                                                                    _mm512_maskz_loadu_ps(lanes16(cn), ws)));
+        }
+        long d = 0;
+        for (; d + 16 * NV <= D; d += 16 * NV) mix_pairs_bf16(wp, G, NV, v, np, odd, D, d, out);
+        for (; d + 16 <= D; d += 16) mix_pairs_bf16(wp, G, 1, v, np, odd, D, d, out);
+        for (; d < D; d++)                                /* head sizes not a multiple of 16: the rest */
+            for (int g = 0; g < G; g++) {
+                float acc = out[g][d];
+                for (long m = 0; m < np; m++) {
+                    uint32_t x = v[m * D + d];
+                    acc = fmaf(w[g * SP + s0 + c + 2 * m], bf16_to_f32((uint16_t)x), acc);
+                    if (2 * m + 1 < cn) acc = fmaf(w[g * SP + s0 + c + 2 * m + 1], bf16_to_f32((uint16_t)(x >> 16)), acc);
+                }
+                out[g][d] = acc;
+            }
+    }
+}
+#else
+/* Without AVX512_BF16 the pairs are widened to float32 in registers: a word's low half (x << 16) is the
+   first element of its pair, its high half (x & 0xFFFF0000) the second. */
+#if defined(__AVX512F__)
+typedef __m512i ivec;
+static inline ivec ivec_load(const uint32_t *p, long cnt) {
+    return cnt >= 16 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32((__mmask16)((1u << cnt) - 1), p);
+}
+static inline vec widen_lo(ivec x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+static inline vec widen_hi(ivec x) { return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000))); }
+#else
+typedef __m256i ivec;
+static inline ivec ivec_load(const uint32_t *p, long cnt) {
+    if (cnt >= 8) return _mm256_loadu_si256((const __m256i *)p);
+    return _mm256_maskload_epi32((const int *)p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt),
+                                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+static inline vec widen_lo(ivec x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
+static inline vec widen_hi(ivec x) { return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000))); }
+#endif
+
+/* NV vectors of VL keys from pointers k[v] (cnt ≤ VL · NV keys), a key per lane, against G queries: a
+   score is Σ_p in order of q_{2p} k_{2p} then q_{2p+1} k_{2p+1}, float32 FMAs. The widened halves are
+   taken from a reload of the words (one register per vector), so G · NV + NV + 1 registers suffice. */
+static inline __attribute__((always_inline)) void score_pairs_f32(const float *const *qr, const int G, const int NV,
+                                                                  const uint32_t *const *k, long cnt, long P,
+                                                                  float scale, float *w, long SP, long s) {
+    vec acc[GMAX][2];
+    long c[2] = {cnt < VL ? cnt : VL, cnt - VL};
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < NV; v++) acc[g][v] = vzero();
+    for (long p = 0; p < P; p++) {
+        vec x[2];
+        for (int v = 0; v < NV; v++) x[v] = widen_lo(ivec_load(k[v] + p * KV_KEY_GROUP, c[v]));
+        for (int g = 0; g < G; g++) {
+            vec b = vset1(qr[g][2 * p]);
+            for (int v = 0; v < NV; v++) acc[g][v] = vfma(b, x[v], acc[g][v]);
+        }
+        for (int v = 0; v < NV; v++) x[v] = widen_hi(ivec_load(k[v] + p * KV_KEY_GROUP, c[v]));
+        for (int g = 0; g < G; g++) {
+            vec b = vset1(qr[g][2 * p + 1]);
+            for (int v = 0; v < NV; v++) acc[g][v] = vfma(b, x[v], acc[g][v]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < NV; v++) store_keys(w + g * SP + s + VL * v, vmul(acc[g][v], vset1(scale)), c[v]);
+}
+
+/* Vectors a step takes at once: two where G · 2 accumulators and the operands fit the registers (32
+   with AVX-512, 16 with AVX2), else one. */
+#define PAIRED_NV(G) ((G) <= (VL == 16 ? 6 : 4) ? 2 : 1)
+
+/* G query vectors against positions s0 … s0+n-1 (offsets j0 … of block blk), PAIRED_NV · VL keys at a
+   time. */
+static inline __attribute__((always_inline)) void score_paired(const float *const *qr, const int G, const kv_view *kv,
+                                                               long blk, long j0, long n, long s0, long kh, long D,
+                                                               float scale, float *w, long SP) {
+    const uint32_t *chunk = paired_words(kv, kv->k, blk, kh);
+    const int NV = PAIRED_NV(G);
+    for (long j = 0; j < n; j += NV * VL) {
+        long cnt = n - j < NV * VL ? n - j : NV * VL;
+        const uint32_t *k[2] = {key_words(chunk, j0 + j, D), key_words(chunk, j0 + j + VL, D)};
+        if (NV == 2 && cnt > VL)
+            score_pairs_f32(qr, G, 2, k, cnt, D / 2, scale, w, SP, s0 + j);
+        else
+            score_pairs_f32(qr, G, 1, k, cnt, D / 2, scale, w, SP, s0 + j);
+    }
+}
+
+/* out_g[d] += w_s · v_s[d] in ascending s from s0 on, NV · VL dimensions at a time for all G heads. */
+static inline __attribute__((always_inline)) void mix_pairs_f32(const float *ws, long SP, const int G, const int NV,
+                                                                const uint32_t *v, long n, long D, long d,
+                                                                float *const *out) {
+    vec acc[GMAX][2];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < NV; c++) acc[g][c] = vload(out[g] + d + VL * c);
+    for (long m = 0; 2 * m < n; m++) {
+        vec x[2];
+        for (int c = 0; c < NV; c++) x[c] = widen_lo(ivec_load(v + m * D + d + VL * c, VL));
+        for (int g = 0; g < G; g++) {
+            vec b = vset1(ws[g * SP + 2 * m]);
+            for (int c = 0; c < NV; c++) acc[g][c] = vfma(b, x[c], acc[g][c]);
+        }
+        if (2 * m + 1 < n) {
+            for (int c = 0; c < NV; c++) x[c] = widen_hi(ivec_load(v + m * D + d + VL * c, VL));
+            for (int g = 0; g < G; g++) {
+                vec b = vset1(ws[g * SP + 2 * m + 1]);
+                for (int c = 0; c < NV; c++) acc[g][c] = vfma(b, x[c], acc[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < NV; c++) vstore(out[g] + d + VL * c, acc[g][c]);
+}
+
+static inline __attribute__((always_inline)) void mix_paired(const float *w, long SP, const int G, const kv_view *kv,
+                                                             long blk, long j0, long n, long s0, long kh, long D,
+                                                             float *const *out) {
+    const uint32_t *v = paired_words(kv, kv->v, blk, kh) + (j0 / 2) * D;
+    const float *ws = w + s0;
+    const int NV = PAIRED_NV(G);
+    long d = 0;
+    for (; d + NV * VL <= D; d += NV * VL) mix_pairs_f32(ws, SP, G, NV, v, n, D, d, out);
+    for (; d + VL <= D; d += VL) mix_pairs_f32(ws, SP, G, 1, v, n, D, d, out);
+    for (; d < D; d++)                                    /* head sizes not a multiple of VL: the rest */
+        for (int g = 0; g < G; g++) {
+            float acc = out[g][d];
+            for (long s = 0; s < n; s++) {
+                uint32_t x = v[(s / 2) * D + d];
+                acc = fmaf(ws[g * SP + s], bf16_to_f32((uint16_t)(s % 2 ? x >> 16 : x)), acc);
+            }
+            out[g][d] = acc;
+        }
+}
+#endif
 
 /* G query vectors against VL keys, rows of D floats at k (D a multiple of VL): the scores of the
    first cnt keys go to w[g·SP + s0 …]. Per key and head the same operations as score_keys_each —
@@ -178,57 +408,6 @@ static inline __attribute__((always_inline)) void score_keys(const float *const 
     }
 }
 
-#if defined(__AVX512BF16__)
-/* bf16 keys where the CPU has AVX512_BF16: the query rounded to bf16 (`vcvtne2ps2bf16`, nearest, ties
-   to even) and `vdpbf16ps`, 32 products per instruction, dimensions d and d + 1 summed into lane d / 2.
-   A score is then the 16 lanes' sums over d in order, then reduce_keys' tree: the same operations for a
-   key whichever rows share the pass. Twice the multiply rate of float32 FMAs; the price is the query's
-   rounding to bf16 (the keys are bf16 already). Head sizes a multiple of 32. */
-static inline __attribute__((always_inline)) void score_keys_bf16(const uint16_t *const *qb, const int G,
-                                                                  const uint16_t *k, long cnt, const long D,
-                                                                  float scale, float *w, long SP, long s0) {
-    for (int g = 0; g < G; g++) {
-        __m512 acc[16];
-        for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-        for (long d = 0; d < D; d += 32) {
-            __m512bh qv = (__m512bh)_mm512_loadu_si512(qb[g] + d);
-            for (int j = 0; j < 16; j++)
-                acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_loadu_si512(k + j * D + d));
-        }
-        store_keys(w + g * SP + s0, _mm512_mul_ps(reduce_keys(acc), _mm512_set1_ps(scale)), cnt);
-    }
-}
-
-static inline __attribute__((always_inline)) void score_tile_bf16(const float *const *qr, const int G,
-                                                                  const kv_view *kv, long blk, long j0, long n,
-                                                                  long s0, long kh, long D, float scale, float *w,
-                                                                  long SP) {
-    const uint16_t *kb = (const uint16_t *)kv_rows_at(kv, kv->k, NULL, blk, kh, D).base;
-    uint16_t qbuf[GMAX * 512], kbuf[16 * 512];
-    const uint16_t *qb[GMAX];
-    for (int g = 0; g < G; g++) {
-        for (long d = 0; d < D; d += 32)
-            _mm512_storeu_si512(qbuf + g * D + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr[g] + d + 16),
-                                                                               _mm512_loadu_ps(qr[g] + d)));
-        qb[g] = qbuf + g * D;
-    }
-    for (long j = 0; j < n; j += 16) {
-        long cnt = n - j < 16 ? n - j : 16;
-        const uint16_t *k = kb + (j0 + j) * D;
-        if (j + 16 < n) prefetch_keys(kv, blk, j0 + j + 16, n - j - 16 < 16 ? n - j - 16 : 16, kh, D);
-        if (cnt < 16) {                                   /* zero keys pad a short last group */
-            memset(kbuf, 0, sizeof(uint16_t) * 16 * D);
-            memcpy(kbuf, k, sizeof(uint16_t) * cnt * D);
-            k = kbuf;
-        }
-        if (D == 128)
-            score_keys_bf16(qb, G, k, cnt, 128, scale, w, SP, s0 + j);
-        else
-            score_keys_bf16(qb, G, k, cnt, D, scale, w, SP, s0 + j);
-    }
-}
-#endif
-
 /* score_keys with the head sizes of the embedded models as constants (their key rows at fixed offsets). */
 static inline __attribute__((always_inline)) void score_group(const float *const *qr, const int G, const float *k,
                                                               long cnt, long D, float scale, float *w, long SP,
@@ -248,12 +427,10 @@ static inline __attribute__((always_inline)) void score_group(const float *const
 static inline __attribute__((always_inline)) void score_tile(const float *const *qr, const int G, const kv_view *kv,
                                                              long blk, long j0, long n, long s0, long kh, long D,
                                                              float scale, float *w, long SP) {
-#if defined(__AVX512BF16__)
-    if (kv->bf16 && D % 32 == 0 && D <= 512) {
-        score_tile_bf16(qr, G, kv, blk, j0, n, s0, kh, D, scale, w, SP);
+    if (kv->bf16) {
+        score_paired(qr, G, kv, blk, j0, n, s0, kh, D, scale, w, SP);
         return;
     }
-#endif
     if (D % VL) {
         score_keys_each(qr, G, kv, blk, j0, n, s0, kh, D, scale, w, SP);
         return;
@@ -265,7 +442,7 @@ static inline __attribute__((always_inline)) void score_tile(const float *const 
         long cnt = n - j < VL ? n - j : VL;
         const float *k = kb + (j0 + j) * D;
         if (j + VL < n) prefetch_keys(kv, blk, j0 + j + VL, n - j - VL < VL ? n - j - VL : VL, kh, D);
-        if (kr.sc || kr.bf16 || cnt < VL) {
+        if (kr.sc || cnt < VL) {
             for (long r = 0; r < VL; r++)
                 for (long d = 0; d < D; d += VL)
                     vstore(buf + r * D + d, r < cnt ? row_vec(&kr, j0 + j + r, d, rows_format(&kr)) : vzero());
@@ -281,12 +458,7 @@ static inline __attribute__((always_inline)) void score_tile(const float *const 
    would take the float32 path anyway (head sizes a multiple of VL; not the AVX512_BF16 dot products)
    and the tile fits tb. Rows past n up to a multiple of VL are zero. */
 #define TB_D 256
-static inline int tile_shared(const kv_view *kv, long D) {
-#if defined(__AVX512BF16__)
-    if (kv->bf16 && D % 32 == 0) return 0;
-#endif
-    return (kv->ks != NULL || kv->bf16) && D % VL == 0 && D <= TB_D;
-}
+static inline int tile_shared(const kv_view *kv, long D) { return kv->ks != NULL && D % VL == 0 && D <= TB_D; }
 
 static inline __attribute__((always_inline)) void convert_tile(const kv_rows *r, long j0, long n, long D, float *tb) {
     long npad = (n + VL - 1) / VL * VL;
@@ -358,56 +530,6 @@ static float softmax_row(float *w, long p) {
 #endif
 
 
-#if defined(__AVX512BF16__)
-/* mix_tile for bf16 values where the CPU has AVX512_BF16: out_g[d] += w_s · v_s[d] + w_{s+1} · v_{s+1}[d]
-   for each pair of positions (s, s + 1) in ascending order, by `vdpbf16ps` on the weights rounded to
-   bf16 and the pair's values interleaved (an odd last position pairs with a zero weight and value).
-   Pairs count from the tile's first position in chunks of 32; tiles start at a block's first position
-   and run KT (even) positions or the whole block, so a row's pairs are the same whether its work item
-   tiles by KT or by block, and so is the order they are summed in. Head sizes a multiple of 32. */
-static inline __attribute__((always_inline)) void mix_tile_bf16(const float *w, long SP, const int G,
-                                                                const kv_view *kv, long blk, long j0, long n,
-                                                                long s0, long kh, long D, float *const *out) {
-    static const uint16_t interleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                            8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    const __m512i idx = _mm512_loadu_si512(interleave);
-    const uint16_t *vb = (const uint16_t *)kv_rows_at(kv, kv->v, NULL, blk, kh, D).base + j0 * D;
-    uint32_t wp[GMAX][16];                                /* per head: 16 pairs of bf16 weights */
-    for (long c = 0; c < n; c += 32) {
-        long cn = n - c < 32 ? n - c : 32, np = (cn + 1) / 2;
-        __mmask16 lo = (__mmask16)(cn >= 16 ? 0xFFFF : (1u << cn) - 1);
-        __mmask16 hi = (__mmask16)(cn <= 16 ? 0 : cn >= 32 ? 0xFFFF : (1u << (cn - 16)) - 1);
-        for (int g = 0; g < G; g++) {
-            const float *ws = w + g * SP + s0 + c;
-            _mm512_storeu_si512(wp[g], (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, ws + 16),
-                                                                    _mm512_maskz_loadu_ps(lo, ws)));
-        }
-        for (long d = 0; d < D; d += 32) {
-            __m512 acc[GMAX][2];
-            for (int g = 0; g < G; g++) acc[g][0] = _mm512_loadu_ps(out[g] + d), acc[g][1] = _mm512_loadu_ps(out[g] + d + 16);
-            for (long m = 0; m < np; m++) {
-                const uint16_t *v = vb + (c + 2 * m) * D + d;
-                __m512i a0 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)v));
-                __m512i a1 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + 16)));
-                __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
-                if (2 * m + 1 < cn) {
-                    b0 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + D)));
-                    b1 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v + D + 16)));
-                }
-                __m512bh p0 = (__m512bh)_mm512_permutex2var_epi16(a0, idx, b0);
-                __m512bh p1 = (__m512bh)_mm512_permutex2var_epi16(a1, idx, b1);
-                for (int g = 0; g < G; g++) {
-                    __m512bh wv = (__m512bh)_mm512_set1_epi32((int)wp[g][m]);
-                    acc[g][0] = _mm512_dpbf16_ps(acc[g][0], p0, wv);
-                    acc[g][1] = _mm512_dpbf16_ps(acc[g][1], p1, wv);
-                }
-            }
-            for (int g = 0; g < G; g++) _mm512_storeu_ps(out[g] + d, acc[g][0]), _mm512_storeu_ps(out[g] + d + 16, acc[g][1]);
-        }
-    }
-}
-#endif
-
 /* out_g[d] += Σ_{s0 ≤ s < s0+n} w[g·SP + s] · v_s[d] in ascending s, for positions s0 … s0+n-1 at
    offsets j0 … of block blk; the running sums live in out between tiles (a float stored and loaded is
    the same float, so this is the order and the result of one long sum). 2·VL dimensions at a time
@@ -440,16 +562,13 @@ static inline __attribute__((always_inline)) void mix_rows(const float *w, long 
 static inline __attribute__((always_inline)) void mix_tile(const float *w, long SP, const int G, const kv_view *kv,
                                                            long blk, long j0, long n, long s0, long kh, long D,
                                                            float *const *out) {
-#if defined(__AVX512BF16__)
-    if (kv->bf16 && D % 32 == 0) {
-        mix_tile_bf16(w, SP, G, kv, blk, j0, n, s0, kh, D, out);
+    if (kv->bf16) {
+        mix_paired(w, SP, G, kv, blk, j0, n, s0, kh, D, out);
         return;
     }
-#endif
     kv_rows vr = kv_rows_at(kv, kv->v, kv->vs, blk, kh, D);
     switch (rows_format(&vr)) {
     case ROWS_INT8: mix_rows(w, SP, G, &vr, j0, n, s0, D, out, ROWS_INT8); break;
-    case ROWS_BF16: mix_rows(w, SP, G, &vr, j0, n, s0, D, out, ROWS_BF16); break;
     default: mix_rows(w, SP, G, &vr, j0, n, s0, D, out, ROWS_F32);
     }
 }

@@ -138,15 +138,16 @@ static void qkv_post_ws(float *qkv, const float *bias, const float *cos, const f
         if (j >= H) {
             long kh = (j - H) % Hkv, p = pos[r], is_k = j < H + Hkv;
             const int64_t *table = kv->tables + (r / T) * kv->nb;
-            long at = table[p / kv->bs] * kv->blk_stride + kh * kv->head_stride + (p % kv->bs) * D;
+            long chunk = table[p / kv->bs] * kv->blk_stride + kh * kv->head_stride, at = chunk + (p % kv->bs) * D;
             if (kv->ks) {
                 long sat = table[p / kv->bs] * kv->sc_blk_stride + kh * kv->sc_head_stride + (p % kv->bs) * (D / kv->sg);
                 int8_t *store = (int8_t *)(is_k ? kv->k : kv->v);
                 float *scales = (float *)(is_k ? kv->ks : kv->vs);
                 kv_quantize(v, D, kv->sg, store + at, scales + sat);
             } else if (kv->bf16) {
-                uint16_t *store = (uint16_t *)(is_k ? kv->k : kv->v) + at;
-                for (long d = 0; d < D; d++) store[d] = f32_to_bf16(v[d]);
+                uint16_t *store = (uint16_t *)(is_k ? kv->k : kv->v) + chunk;
+                for (long d = 0; d < D; d++)
+                    store[is_k ? bf16_key_at(p % kv->bs, d, D) : bf16_value_at(p % kv->bs, d, D)] = f32_to_bf16(v[d]);
             } else {
                 memcpy((float *)(is_k ? kv->k : kv->v) + at, v, sizeof(float) * D);
             }

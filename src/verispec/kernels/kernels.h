@@ -106,8 +106,12 @@ void vs_int6_gemm_ws(const int8_t *q8, const float *s8, const int32_t *qs, const
    one block per row (bs = its length); a paged cache reads its blocks in place. Stores are float32,
    or int8 when ks and vs are set: then element d of a position's key (value) vector is its int8 times
    ks (vs)[tables[…] · sc_blk_stride + h · sc_head_stride + (s % bs) · (D / sg) + d / sg], one scale
-   per sg dimensions (kv_quantize). With bf16 set (and no scales) they are bfloat16: each element the top
-   16 bits of a float32 (f32_to_bf16). */
+   per sg dimensions (kv_quantize). With bf16 set (and no scales) they are bfloat16 — each element the top
+   16 bits of a float32 (f32_to_bf16) — with each block's elements paired in 32-bit words (bf16_key_at,
+   bf16_value_at): keys pair dimensions 2p and 2p + 1 of a position, in groups of KV_KEY_GROUP positions,
+   values pair positions 2m and 2m + 1 of a dimension. A bf16 block then holds a multiple of
+   KV_KEY_GROUP positions (bs rounded up; blk_stride and head_stride say where blocks and heads start)
+   and D is even. */
 typedef struct {
     const void *k, *v;
     const float *ks, *vs;
@@ -124,6 +128,15 @@ static inline uint16_t f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7FC0;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+/* bf16 stores: the element index, within one block and head, of dimension d of position j's key
+   (value). A load of KV_KEY_GROUP words at the key of (j, 2p) holds dimensions 2p, 2p + 1 of keys j …
+   j + 15; one at the value of (2m, d) holds dimensions d … of positions 2m and 2m + 1. */
+#define KV_KEY_GROUP 16
+static inline long bf16_key_at(long j, long d, long D) {
+    return 2 * ((j / KV_KEY_GROUP) * (D / 2) * KV_KEY_GROUP + (d / 2) * KV_KEY_GROUP + j % KV_KEY_GROUP) + d % 2;
+}
+static inline long bf16_value_at(long j, long d, long D) { return 2 * ((j / 2) * D + d) + j % 2; }
+
 /* Bytes per stored element of a KV store: int8, bf16 or float32. */
 static inline long kv_esize(int int8, int bf16) { return int8 ? 1 : bf16 ? 2 : (long)sizeof(float); }
 

@@ -6,7 +6,8 @@ positions <= t, and every position <= t of a slot was written by this round or c
 
 Keys and values are stored in the model's dtype, or in a KV format of their own (`kv_dtype`):
 bfloat16 (rounded to nearest, ties to even; the native pass rounds the same way, kernels.h's
-f32_to_bf16), or int8 with one float32 scale per group of 32 dimensions of each position and head
+f32_to_bf16; each block's elements paired in 32-bit words as the attention kernels read them —
+kernels/abi.py — so a block holds a whole number of 16-position key groups), or int8 with one float32 scale per group of 32 dimensions of each position and head
 (max |x| / 127, the group rounded to nearest, ties to even — the native pass writes the same bits,
 kernels.h's kv_quantize). Groups of 32 rather than whole head vectors: a few large channels of the
 keys would otherwise set the step of all 128 (on the embedded 1.5B, KL against the float cache
@@ -21,6 +22,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+
+from verispec.kernels.abi import (bf16_block_length, keys_from_pairs, paired_keys, paired_values,
+                                  values_from_pairs)
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
@@ -46,11 +50,17 @@ def kv_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class KVStore:
     """k, v (num_layers, N, H_kv, S, D) in the KV dtype; for int8 also ks, vs (num_layers, N, H_kv, S,
-    D / group) float32. N is slots (static) or blocks (paged), S their length."""
+    D / group) float32. N is slots (static) or blocks (paged), S their length — for bfloat16 rounded up
+    to a whole key group, the elements of each (slot or block, head) paired (`paired`, kernels/abi.py)."""
 
     def __init__(self, shape: tuple[int, ...], kv_dtype: torch.dtype, device: str | torch.device):
         if kv_dtype not in KV_DTYPES.values():
             raise ValueError(f"KV cache dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype}")
+        self.paired = kv_dtype == torch.bfloat16
+        if self.paired:
+            if shape[-1] % 2:
+                raise ValueError(f"a bfloat16 KV cache needs an even head size, got {shape[-1]}")
+            shape = (*shape[:-2], bf16_block_length(shape[-2]), shape[-1])
         self.k = torch.zeros(shape, dtype=kv_dtype, device=device)
         self.v = torch.zeros(shape, dtype=kv_dtype, device=device)
         self.ks = self.vs = None
@@ -66,8 +76,17 @@ class KVStore:
         per_head = d * kv_dtype.itemsize + (4 * d // kv_group(d) if kv_dtype == torch.int8 else 0)
         return 2 * config.num_layers * config.num_kv_heads * per_head
 
+    @staticmethod
+    def stored_length(positions: int, kv_dtype: torch.dtype) -> int:
+        """Positions a slot or block of `positions` takes in storage (bf16: whole key groups)."""
+        return bf16_block_length(positions) if kv_dtype == torch.bfloat16 else positions
+
     def write(self, layer: int, i: torch.Tensor, j: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (B, H_kv, T, D) into positions [i, :, j] of the layer (i, j broadcast to (B, T))."""
+        if self.paired:
+            paired_keys(self.k[layer])[i, :, j // 16, :, j % 16] = k.transpose(1, 2).unflatten(-1, (-1, 2)).to(self.k.dtype)
+            paired_values(self.v[layer])[i, :, j // 2, :, j % 2] = v.transpose(1, 2).to(self.v.dtype)
+            return
         for store, scales, x in ((self.k, self.ks, k), (self.v, self.vs, v)):
             x = x.transpose(1, 2)                                                  # (B, T, H_kv, D)
             if scales is None:
@@ -80,20 +99,35 @@ class KVStore:
     def copy(self, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Copy positions [src_n[i], :, src_s[i]] to [dst_n[i], :, dst_s[i]] in every layer (stored bits,
         scales included): src, dst = (N indices, S indices), 1-D and of one length."""
+        if self.paired:
+            (sn, ss), (dn, ds) = src, dst
+            keys, values = paired_keys(self.k), paired_values(self.v)
+            keys[:, dn, :, ds // 16, :, ds % 16] = keys[:, sn, :, ss // 16, :, ss % 16]
+            values[:, dn, :, ds // 2, :, ds % 2] = values[:, sn, :, ss // 2, :, ss % 2]
+            return
         for t in (self.k, self.v, self.ks, self.vs):
             if t is not None:
                 t[:, dst[0], :, dst[1]] = t[:, src[0], :, src[1]]
 
-    def read(self, layer: int, index, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's k, v at store[layer][index] (any indexing of the N dimension and beyond), in dtype."""
+    def read(self, layer: int, index, dtype: torch.dtype, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's k, v (..., H_kv, S, D) at store[layer][index] (an index of the N dimension), position
+        by position, the first `length` positions when given, in dtype."""
         out = []
-        for store, scales in ((self.k, self.ks), (self.v, self.vs)):
+        for store, scales, unpair in ((self.k, self.ks, keys_from_pairs), (self.v, self.vs, values_from_pairs)):
             x = store[layer][index]
+            if self.paired:
+                x = unpair(x)
             if scales is not None:                                                 # (..., D) · per-group scales
                 sc = scales[layer][index]
                 x = (x.float().unflatten(-1, (sc.shape[-1], -1)) * sc[..., None]).flatten(-2)
-            out.append(x.to(dtype))
+            out.append((x if length is None else x[..., :length, :]).to(dtype))
         return out[0], out[1]
+
+    def logical(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All of k, v (num_layers, N, H_kv, S, D) position by position (for bf16 a copy)."""
+        if not self.paired:
+            return self.k, self.v
+        return keys_from_pairs(self.k), values_from_pairs(self.v)
 
 
 class StoredKV:
@@ -103,11 +137,12 @@ class StoredKV:
 
     @property
     def k(self) -> torch.Tensor:
-        return self.store.k
+        """(num_layers, N, H_kv, S, D) position by position (a copy for a bf16 store)."""
+        return self.store.logical()[0]
 
     @property
     def v(self) -> torch.Tensor:
-        return self.store.v
+        return self.store.logical()[1]
 
     def mark_written(self, slot: int, length: int) -> None:
         """This model's entries for the slot's first `length` positions hold its committed tokens
@@ -138,7 +173,7 @@ class KVCache(StoredKV):
 
     @property
     def num_slots(self) -> int:
-        return self.k.shape[1]
+        return self.store.k.shape[1]
 
     def view(self, slots: list[int], positions: torch.Tensor) -> "CacheView":
         """A view for one forward pass over `positions` (B, T) of the sequences in `slots`."""
@@ -192,7 +227,7 @@ class CacheView:
         store = self.cache.store
         store.write(layer, self._rows[:, None], self.positions, k, v)
         rows = self._range if self._range is not None else self._rows
-        return store.read(layer, (rows, slice(None), slice(None, self.kv_len)), self.cache.dtype)
+        return store.read(layer, rows, self.cache.dtype, self.kv_len)
 
 
 def in_place(store: KVStore) -> bool:

@@ -46,7 +46,7 @@ class PagedKVCache(StoredKV):
 
     @staticmethod
     def bytes_per_block(config, block_size: int, kv_dtype: torch.dtype) -> int:
-        return block_size * KVStore.bytes_per_position(config, kv_dtype)
+        return KVStore.stored_length(block_size, kv_dtype) * KVStore.bytes_per_position(config, kv_dtype)
 
     def capacity(self, slot: int) -> int:
         return len(self.block_tables.get(slot, ())) * self.block_size
@@ -105,7 +105,7 @@ class PagedCacheView(CacheView):
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         store = self.cache.store
         store.write(layer, self.write_block, self.write_offset, k, v)
-        kb, vb = store.read(layer, self.tables, self.cache.dtype)       # (B, NB, H_kv, bs, D)
+        kb, vb = store.read(layer, self.tables, self.cache.dtype, self.cache.block_size)   # (B, NB, H_kv, bs, D)
         return self._join(kb), self._join(vb)
 
     def _join(self, blocks: torch.Tensor) -> torch.Tensor:
