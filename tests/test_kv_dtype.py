@@ -170,3 +170,32 @@ def test_auto_stores_bf16_where_the_native_pass_reads_it():
     expected = torch.bfloat16 if kernels.available() else None
     assert LLM(int8_model(0), proposer="none").kv_dtype == expected
     assert LLM(int8_model(0), proposer="none", kv_dtype="float32").kv_dtype == torch.float32
+
+
+@pytest.mark.parametrize("block", [5, 16, 40])
+def test_bf16_store_keeps_positions_in_the_paired_layout_the_kernels_read(block):
+    """A bf16 store written at scattered positions reads back position by position (bf16 of what was
+    written); its words sit where kernels.h's bf16_key_at / bf16_value_at say; a copy moves positions."""
+    from verispec.kernels.abi import KV_KEY_GROUP
+    from verispec.models.kv_cache import KVStore
+
+    torch.manual_seed(block)
+    store = KVStore((2, 3, 2, block, 8), torch.bfloat16, "cpu")
+    assert store.k.shape[3] % KV_KEY_GROUP == 0 and store.k.shape[3] >= block
+    i, j = torch.tensor([[0], [2]]), torch.tensor([[block - 1, 0, 3 % block], [1, block - 2, 2]])
+    k, v = torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8)               # (B, H_kv, T, D)
+    store.write(1, i, j, k, v)
+    keys, values = store.read(1, slice(None), torch.float32, block)        # (N, H_kv, S, D)
+    for b in range(2):
+        for t in range(3):
+            assert torch.equal(keys[i[b, 0], :, j[b, t]], k[b, :, t].bfloat16().float())
+            assert torch.equal(values[i[b, 0], :, j[b, t]], v[b, :, t].bfloat16().float())
+    flat_k, flat_v = store.k[1, 2, 1].flatten(), store.v[1, 2, 1].flatten()   # slot 2, KV head 1
+    pos, d = 1, 5
+    key_at = 2 * ((pos // 16) * 4 * 16 + (d // 2) * 16 + pos % 16) + d % 2     # bf16_key_at(j, d, D = 8)
+    value_at = 2 * ((pos // 2) * 8 + d) + pos % 2                              # bf16_value_at
+    assert flat_k[key_at] == k[1, 1, 0, d].bfloat16() and flat_v[value_at] == v[1, 1, 0, d].bfloat16()
+    store.copy((torch.tensor([2]), torch.tensor([1])), (torch.tensor([1]), torch.tensor([block - 1])))
+    keys, values = store.read(1, slice(None), torch.float32, block)
+    assert torch.equal(keys[1, :, block - 1], k[1, :, 0].bfloat16().float())
+    assert torch.equal(values[1, :, block - 1], v[1, :, 0].bfloat16().float())

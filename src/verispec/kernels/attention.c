@@ -422,8 +422,8 @@ static inline __attribute__((always_inline)) void score_group(const float *const
 
 /* G ≤ GMAX query vectors qr[g] (each D floats) against positions s0 … s0+n-1, which sit at offsets
    j0 … j0+n-1 of block blk: w[g·SP + s] = scale · q_g · k_s, VL keys at a time. A short last group
-   and int8 or bf16 keys (dequantized, k8 · its group's scale, or widened, exactly as score_keys_each
-   does) go through a small buffer first, zero rows padding the group. */
+   and int8 keys (dequantized, k8 · its group's scale, exactly as score_keys_each does) go through a
+   small buffer first, zero rows padding the group; bf16 stores take score_paired. */
 static inline __attribute__((always_inline)) void score_tile(const float *const *qr, const int G, const kv_view *kv,
                                                              long blk, long j0, long n, long s0, long kh, long D,
                                                              float scale, float *w, long SP) {
@@ -452,11 +452,10 @@ static inline __attribute__((always_inline)) void score_tile(const float *const 
     }
 }
 
-/* A work item of several rows converts each tile of int8 or bf16 keys (and then values) to float32
-   once, into tb, and every row reads the floats: row_vec's values, so the same bits as a row that
-   converts for itself, without converting the tile once per row. Only where score_tile and mix_tile
-   would take the float32 path anyway (head sizes a multiple of VL; not the AVX512_BF16 dot products)
-   and the tile fits tb. Rows past n up to a multiple of VL are zero. */
+/* A work item of several rows converts each tile of int8 keys (and then values) to float32 once, into
+   tb, and every row reads the floats: row_vec's values, so the same bits as a row that converts for
+   itself, without converting the tile once per row. Only for head sizes a multiple of VL whose tile
+   fits tb (bf16 stores are read in place as pairs). Rows past n up to a multiple of VL are zero. */
 #define TB_D 256
 static inline int tile_shared(const kv_view *kv, long D) { return kv->ks != NULL && D % VL == 0 && D <= TB_D; }
 
@@ -533,7 +532,7 @@ static float softmax_row(float *w, long p) {
 /* out_g[d] += Σ_{s0 ≤ s < s0+n} w[g·SP + s] · v_s[d] in ascending s, for positions s0 … s0+n-1 at
    offsets j0 … of block blk; the running sums live in out between tiles (a float stored and loaded is
    the same float, so this is the order and the result of one long sum). 2·VL dimensions at a time
-   for all G heads (int8 values dequantized a vector at a time, v8 · its group's scale; bf16 widened). */
+   for all G heads (int8 values dequantized a vector at a time, v8 · its group's scale). */
 static inline __attribute__((always_inline)) void mix_rows(const float *w, long SP, const int G, const kv_rows *vr,
                                                            long j0, long n, long s0, long D, float *const *out,
                                                            const int fmt) {

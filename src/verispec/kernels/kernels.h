@@ -166,12 +166,11 @@ static inline void kv_quantize(const float *x, long n, long sg, int8_t *q, float
    rows r = b · T + t; out (R, H, D) contiguous; scratch of threads × att_scratch(T, SP) floats with
    SP = spad(max pos + 1). Past ATT_SHARED positions a work item takes up to att_rows(T, SP) rows of
    one batch row together, so that they share each read of the cache while their scores (rows × GMAX
-   × SP floats) stay within ATT_BUDGET floats per thread. With AVX512_BF16 every row reads bf16 keys
-   and values as they are stored, and below 6,144 positions the cache of a layer stays in the
-   last-level cache and one row per work item is faster (measured on a Zen 4). Elsewhere a bf16 or
-   int8 cache is widened to float32 before the multiplies, and rows that share a work item share that
-   conversion, tile by tile: on a Zen 2, 16 rows over 4,000 positions took 30 % less time shared than
-   one by one (4 rows 25 % less, 2 rows the same), so rows share from the first position. */
+   × SP floats) stay within ATT_BUDGET floats per thread. Every row reads bf16 keys and values as they
+   are stored (in pairs); with AVX512_BF16, below 6,144 positions the cache of a layer stays in the
+   last-level cache and one row per work item is faster (measured on a Zen 4). Elsewhere rows share
+   from the first position: an int8 cache is widened to float32 once per tile for all of them (on a
+   Zen 2, 16 rows over 4,000 positions took 30 % less time shared than one by one). */
 #define GMAX 8
 #define ATT_BUDGET (1L << 17)
 #if defined(__AVX512BF16__)

@@ -23,7 +23,7 @@ from functools import cached_property
 
 import torch
 
-from verispec.kernels.abi import (bf16_block_length, keys_from_pairs, paired_keys, paired_values,
+from verispec.kernels.abi import (KV_KEY_GROUP, bf16_block_length, keys_from_pairs, paired_keys, paired_values,
                                   values_from_pairs)
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
@@ -84,7 +84,7 @@ class KVStore:
     def write(self, layer: int, i: torch.Tensor, j: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (B, H_kv, T, D) into positions [i, :, j] of the layer (i, j broadcast to (B, T))."""
         if self.paired:
-            paired_keys(self.k[layer])[i, :, j // 16, :, j % 16] = k.transpose(1, 2).unflatten(-1, (-1, 2)).to(self.k.dtype)
+            paired_keys(self.k[layer])[i, :, j // KV_KEY_GROUP, :, j % KV_KEY_GROUP] = k.transpose(1, 2).unflatten(-1, (-1, 2)).to(self.k.dtype)
             paired_values(self.v[layer])[i, :, j // 2, :, j % 2] = v.transpose(1, 2).to(self.v.dtype)
             return
         for store, scales, x in ((self.k, self.ks, k), (self.v, self.vs, v)):
@@ -102,7 +102,8 @@ class KVStore:
         if self.paired:
             (sn, ss), (dn, ds) = src, dst
             keys, values = paired_keys(self.k), paired_values(self.v)
-            keys[:, dn, :, ds // 16, :, ds % 16] = keys[:, sn, :, ss // 16, :, ss % 16]
+            keys[:, dn, :, ds // KV_KEY_GROUP, :, ds % KV_KEY_GROUP] = keys[:, sn, :, ss // KV_KEY_GROUP, :,
+                                                                             ss % KV_KEY_GROUP]
             values[:, dn, :, ds // 2, :, ds % 2] = values[:, sn, :, ss // 2, :, ss % 2]
             return
         for t in (self.k, self.v, self.ks, self.vs):
@@ -115,8 +116,8 @@ class KVStore:
         out = []
         for store, scales, unpair in ((self.k, self.ks, keys_from_pairs), (self.v, self.vs, values_from_pairs)):
             x = store[layer][index]
-            if self.paired:
-                x = unpair(x)
+            if self.paired:                   # the key groups that hold the first `length` positions only
+                x = unpair(x if length is None else x[..., : bf16_block_length(length), :])
             if scales is not None:                                                 # (..., D) · per-group scales
                 sc = scales[layer][index]
                 x = (x.float().unflatten(-1, (sc.shape[-1], -1)) * sc[..., None]).flatten(-2)
