@@ -57,8 +57,11 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
         for (long g = 0; g < G; g++) {                                                            \
             const uint32_t *wg = wp + (b * G + g) * W6;                                          \
             for (int l = 0; l < 6; l++) _mm_prefetch((const char *)(wg + PF6 * W6 + 16 * l), _MM_HINT_T1); \
-            __m512i isum[2][MM];                                                                  \
-            for (int m = 0; m < MM; m++) isum[0][m] = isum[1][m] = _mm512_setzero_si512();        \
+            __m512i isum[2][MM];        /* I − 32 Q of each half-group: the sums start at −32 Q */ \
+            for (int m = 0; m < MM; m++) {                                                        \
+                isum[0][m] = _mm512_set1_epi32(-32 * qs[m * H + 2 * g]);                          \
+                isum[1][m] = _mm512_set1_epi32(-32 * qs[m * H + 2 * g + 1]);                      \
+            }                                                                                     \
             for (int j = 0; j < 4; j++) {                                                         \
                 __m512i d = _mm512_loadu_si512((const void *)(wg + 16 * j));                      \
                 __m512i hw = _mm512_loadu_si512((const void *)(wg + 64 + 16 * (j / 2)));          \
@@ -78,9 +81,8 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
             __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sg + 16)));      \
             __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ds + (b * S + g / 8) * 16))); \
             for (int m = 0; m < MM; m++) {                                                        \
-                __m512i t0 = _mm512_sub_epi32(isum[0][m], _mm512_set1_epi32(32 * qs[m * H + 2 * g]));     \
-                __m512i t1 = _mm512_sub_epi32(isum[1][m], _mm512_set1_epi32(32 * qs[m * H + 2 * g + 1])); \
-                __m512i jv = _mm512_add_epi32(_mm512_mullo_epi32(sc0, t0), _mm512_mullo_epi32(sc1, t1)); \
+                __m512i jv = _mm512_add_epi32(_mm512_mullo_epi32(sc0, isum[0][m]),                \
+                                              _mm512_mullo_epi32(sc1, isum[1][m]));               \
                 __m512 t = _mm512_mul_ps(dv, _mm512_set1_ps(s8[m * G + g]));                      \
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(jv), t, acc[m]);                      \
             }                                                                                     \
