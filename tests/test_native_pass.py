@@ -92,6 +92,28 @@ def test_native_rows_do_not_depend_on_the_pass_they_share():
     assert torch.equal(rows["together"], rows["one by one"])
 
 
+def test_a_wide_pass_runs_in_row_chunks_that_see_every_row_of_the_pass():
+    """A pass wider than the decoder's row chunks (kernels/decoder.c CHUNK_ROWS): its first row needs
+    keys that rows after it in the same pass write, and chunk edges fall inside rows. Its rows equal
+    those of narrow passes run one piece at a time, bit for bit, and so do the caches."""
+    model = int8_model(**SHAPES["llama GQA 6:1, head 32, odd widths"])
+    tokens = [(7 * i) % 89 + 1 for i in range(150)]
+    pieces = [(0, 100), (0, 0), (0, 50), (1, 0)]                    # (slot, start): 4 rows of 50 = 200 rows
+    model.native_pass = True
+    wide = KVCache.for_model(model.config, 2, 160, torch.float32)
+    ids = torch.tensor([tokens[a:a + 50] for _, a in pieces])
+    positions = torch.tensor([a for _, a in pieces])[:, None] + torch.arange(50)[None, :]
+    together = model(ids, positions, wide.view([s for s, _ in pieces], positions))
+    narrow = KVCache.for_model(model.config, 2, 160, torch.float32)
+    alone = {}
+    for s, a in sorted(pieces):
+        alone[(s, a)] = run(model, narrow, [s], [tokens[a:a + 50]], True)[0]
+        advance(narrow, [s], [tokens[a:a + 50]])
+    for b, piece in enumerate(pieces):
+        assert torch.equal(together[b], alone[piece]), piece
+    assert torch.equal(wide.k[:, :, :150], narrow.k[:, :, :150]) and torch.equal(wide.v[:, :, :150], narrow.v[:, :, :150])
+
+
 def test_greedy_speculation_on_the_native_pass_equals_plain():
     target, draft = int8_model(0), int8_model(1, num_layers=1)
     prompts = [[1, 5, 9, 2, 7], [3, 3], [11, 4, 8, 15, 16, 23, 42, 8, 1]]

@@ -6,6 +6,11 @@
  * The matmuls are gemm.c's int8 or gemm4.c's int4 kernel (per linear), the attention attention.c's; the steps between them are
  * worksharing loops over rows (or row × head), each ended by the loop's barrier, so the threads stay
  * in one region for the whole pass instead of forking and joining ~10 times per layer.
+ * A wide pass (prefill: several pieces of up to 65 rows) runs each layer's per-row steps in row chunks
+ * of at most CHUNK_ROWS: the norm, QKV projection and cache write of every chunk, then the attention
+ * of all rows (a row may read keys that a later row of the pass writes), then o_proj to the MLP's
+ * residual chunk by chunk. A chunk's activations and MLP buffers stay in the caches where the whole
+ * pass's would not (Zen 4, the 3,090-token long copy in passes of 8 × 65 rows: prefill 20.2 -> 19.0 s).
  *
  * Row exactness: every step computes a row from that row alone (plus the cached prefix it attends),
  * by one fixed sequence of operations, whatever R is — so a verify row equals a decode step bit for
@@ -20,6 +25,12 @@
  * + l · sc_layer_stride, kernels.h).
  */
 #include "kernels.h"
+
+/* Rows per chunk of a wide pass: more rows run in near-equal chunks of at most this many (a 65-row
+   piece stays whole). */
+#ifndef CHUNK_ROWS
+#define CHUNK_ROWS 72
+#endif
 
 /* One linear layer: format 0 = int8 (w: gemm.c's packed int8, scale: (N) float32, super unused), 1 = int4
    (w, scale, super: gemm4.c's packed nibbles, the groups' 8-bit multipliers, the super-blocks' fp16 factors),
@@ -116,7 +127,7 @@ static void silu_mul_ws(const float *gu, float *act, long R, long I) {
 /* Bias, RoPE (rotate-half: v·cos + rot(v)·sin with rot(v) = [-v₂, v₁]) and the cache write, one
    head vector of one row per work item. */
 static void qkv_post_ws(float *qkv, const float *bias, const float *cos, const float *sin, const int64_t *pos,
-                        const kv_view *kv, long R, long T, long H, long Hkv, long D) {
+                        const kv_view *kv, long r0, long R, long T, long H, long Hkv, long D) {
     long heads = H + 2 * Hkv, half = D / 2;
 #pragma omp for schedule(static)
     for (long it = 0; it < R * heads; it++) {
@@ -137,7 +148,7 @@ static void qkv_post_ws(float *qkv, const float *bias, const float *cos, const f
         }
         if (j >= H) {
             long kh = (j - H) % Hkv, p = pos[r], is_k = j < H + Hkv;
-            const int64_t *table = kv->tables + (r / T) * kv->nb;
+            const int64_t *table = kv->tables + ((r0 + r) / T) * kv->nb;
             long chunk = table[p / kv->bs] * kv->blk_stride + kh * kv->head_stride, at = chunk + (p % kv->bs) * D;
             if (kv->ks) {
                 long sat = table[p / kv->bs] * kv->sc_blk_stride + kh * kv->sc_head_stride + (p % kv->bs) * (D / kv->sg);
@@ -165,15 +176,16 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
     size_t esize = (size_t)kv_esize(kscale != NULL, bf16);
     long R = B * T, C = dm->C, H = dm->H, Hkv = dm->Hkv, D = dm->D, I = dm->I;
     long QW = (H + 2 * Hkv) * D, KMAX = kpad(C > H * D ? (C > I ? C : I) : (H * D > I ? H * D : I));
+    long chunks = (R + CHUNK_ROWS - 1) / CHUNK_ROWS, RC = (R + chunks - 1) / chunks;   /* near-equal chunks */
     long maxp = 0;
     for (long r = 0; r < R; r++) maxp = pos[r] > maxp ? pos[r] : maxp;
     long SP = spad(maxp + 1);
-    size_t floats = (size_t)R * (2 * C + QW + H * D + 3 * I) + (size_t)R * (2 * (KMAX / 32) + KMAX / 16 + 1)
+    size_t floats = (size_t)R * (2 * C + QW + H * D) + (size_t)RC * (3 * I) + (size_t)RC * (2 * (KMAX / 32) + KMAX / 16 + 1)
                     + (size_t)att_scratch(T, SP) * threads;
-    float *arena = malloc(sizeof(float) * floats + sizeof(int16_t) * R * KMAX + 64);
+    float *arena = malloc(sizeof(float) * floats + sizeof(int16_t) * RC * KMAX + 64);
     if (!arena) return -1;
     float *xn = arena, *tmp = xn + R * C, *qkv = tmp + R * C, *att = qkv + R * QW, *gu = att + R * H * D;
-    float *act = gu + R * 2 * I, *sx = act + R * I, *scratch = sx + R * (2 * (KMAX / 32) + KMAX / 16 + 1);
+    float *act = gu + RC * 2 * I, *sx = act + RC * I, *scratch = sx + RC * (2 * (KMAX / 32) + KMAX / 16 + 1);
     int16_t *qx = (int16_t *)(scratch + (size_t)att_scratch(T, SP) * threads);
 #pragma omp parallel num_threads(threads)
     for (long l = 0; l < dm->layers; l++) {
@@ -182,17 +194,24 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
                       kscale ? kscale + l * sc_layer_stride : NULL, vscale ? vscale + l * sc_layer_stride : NULL,
                       tables, nb, bs, blk_stride, head_stride, sc_blk_stride, sc_head_stride, kscale ? sg : D,
                       bf16};
-        rmsnorm_ws(x, w->ln1, xn, R, C, dm->eps);
-        linear_ws(&w->qkv, xn, qx, sx, qkv, R, QW, C);
-        qkv_post_ws(qkv, w->qkv_bias, cos, sin, pos, &kv, R, T, H, Hkv, D);
+        for (long r0 = 0; r0 < R; r0 += RC) {                  /* every row's keys and values first */
+            long n = R - r0 < RC ? R - r0 : RC;
+            rmsnorm_ws(x + r0 * C, w->ln1, xn + r0 * C, n, C, dm->eps);
+            linear_ws(&w->qkv, xn + r0 * C, qx, sx, qkv + r0 * QW, n, QW, C);
+            qkv_post_ws(qkv + r0 * QW, w->qkv_bias, cos + r0 * D, sin + r0 * D, pos + r0, &kv, r0, n, T, H, Hkv, D);
+        }
         vs_attend_ws(qkv, QW, &kv, pos, att, B, H, Hkv, T, D, dm->scale, scratch, SP);
-        linear_ws(&w->o, att, qx, sx, tmp, R, C, H * D);
-        add_rows_ws(x, tmp, R, C);
-        rmsnorm_ws(x, w->ln2, xn, R, C, dm->eps);
-        linear_ws(&w->gu, xn, qx, sx, gu, R, 2 * I, C);
-        silu_mul_ws(gu, act, R, I);
-        linear_ws(&w->down, act, qx, sx, tmp, R, C, I);
-        add_rows_ws(x, tmp, R, C);
+        for (long r0 = 0; r0 < R; r0 += RC) {                  /* then each row's own steps, chunk by chunk */
+            long n = R - r0 < RC ? R - r0 : RC;
+            float *xr = x + r0 * C, *xnr = xn + r0 * C, *tr = tmp + r0 * C;
+            linear_ws(&w->o, att + r0 * H * D, qx, sx, tr, n, C, H * D);
+            add_rows_ws(xr, tr, n, C);
+            rmsnorm_ws(xr, w->ln2, xnr, n, C, dm->eps);
+            linear_ws(&w->gu, xnr, qx, sx, gu, n, 2 * I, C);
+            silu_mul_ws(gu, act, n, I);
+            linear_ws(&w->down, act, qx, sx, tr, n, C, I);
+            add_rows_ws(xr, tr, n, C);
+        }
     }
     free(arena);
     return 0;
