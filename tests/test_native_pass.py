@@ -143,6 +143,18 @@ def test_a_row_dependent_pass_is_caught_by_the_identity_test(monkeypatch):
     assert [o.token_ids for o in spec] != plain
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_pass_whose_positions_do_not_match_its_tokens_is_refused(native):
+    """Positions shorter than the tokens would send the native pass past the end of their array."""
+    model = int8_model()
+    model.native_pass = native
+    cache = KVCache.for_model(model.config, 1, 128, torch.float32)
+    ids, positions = torch.ones(1, 64, dtype=torch.long), torch.arange(56)[None]
+    with pytest.raises(ValueError, match="must both be"):
+        model(ids, positions, cache.view([0], positions))
+    assert cache.k.abs().sum() == 0                                          # nothing written
+
+
 def test_models_that_do_not_qualify_keep_the_torch_layers():
     assert NativeDecoder.build(tiny_model(0)) is None                         # fp32 weights
     int4ish = int8_model()

@@ -202,6 +202,9 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: CacheView) -> torch.Tensor:
         """input_ids, positions: (B, T) -> hidden states (B, T, C) before the final norm."""
+        if positions.shape != input_ids.shape or input_ids.dim() != 2:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
+                             "must both be (B, T)")
         x = self.model.embed_tokens(input_ids)                                 # (B, T, C)
         cos, sin = self.rotary(positions, x.dtype)
         if input_ids.shape[1] <= ROW_EXACT_MAX_T and (native := self._native_decoder()) is not None:
