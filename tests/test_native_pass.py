@@ -114,6 +114,30 @@ def test_a_wide_pass_runs_in_row_chunks_that_see_every_row_of_the_pass():
     assert torch.equal(wide.k[:, :, :150], narrow.k[:, :, :150]) and torch.equal(wide.v[:, :, :150], narrow.v[:, :, :150])
 
 
+def test_bf16_blocks_of_16_give_the_rows_of_one_contiguous_cache():
+    """The one-row attention sweep reads 16-position blocks two at a time and keeps its sums across
+    blocks; a paged bf16 cache of scattered 16- or 32-position blocks gives the hidden states of a
+    static bf16 cache, bit for bit. (Odd block sizes pair positions within each block, so their
+    last bits differ.)"""
+    model = int8_model(**SHAPES["qwen2 GQA 7:1, head 128"])
+    model.native_pass = True
+    tokens = [(5 * i) % 89 + 1 for i in range(130)]
+    out = {}
+    for name in ("static", 16, 32):
+        if name == "static":
+            cache = KVCache.for_model(model.config, 1, 160, torch.float32, kv_dtype=torch.bfloat16)
+        else:
+            blocks = torch.randperm(12, generator=torch.Generator().manual_seed(name)).add(1).tolist()[:160 // name]
+            cache = PagedKVCache(model.config, num_blocks=13, block_size=name, block_tables={0: blocks},
+                                 kv_dtype=torch.bfloat16)
+        rows = []
+        for a, b in ((0, 60), (60, 120), (120, 121), (121, 126), (126, 130)):     # prefill, decode, verify
+            rows.append(run(model, cache, [0], [tokens[a:b]], True)[0])
+            advance(cache, [0], [tokens[a:b]])
+        out[name] = torch.cat(rows)
+    assert torch.equal(out[16], out["static"]) and torch.equal(out[32], out["static"])
+
+
 def test_greedy_speculation_on_the_native_pass_equals_plain():
     target, draft = int8_model(0), int8_model(1, num_layers=1)
     prompts = [[1, 5, 9, 2, 7], [3, 3], [11, 4, 8, 15, 16, 23, 42, 8, 1]]

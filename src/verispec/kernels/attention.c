@@ -149,7 +149,7 @@ static inline void store_keys(float *w, vec s, long cnt) {
    read head by head, each key row in D / VL pieces, a pattern the hardware prefetcher follows less
    well than one key row after another; so the next group is fetched ahead. */
 static inline void prefetch_keys(const kv_view *kv, long blk, long j0, long n, long kh, long D) {
-    long size = kv_esize(kv->ks != NULL, 0);
+    long size = kv_esize(kv->ks != NULL, kv->bf16);
     const char *p = (const char *)kv->k + size * (blk * kv->blk_stride + kh * kv->head_stride + j0 * D);
     for (long off = 0; off < n * D * size; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
@@ -176,15 +176,16 @@ static inline __mmask16 lanes16(long n) { return n >= 16 ? (__mmask16)0xFFFF : n
 /* NV = 1 or 2 vectors of 16 keys (cnt ≤ 16 · NV of them) against G queries as bf16 pairs qp[g]: a
    score is Σ_p in order of `vdpbf16ps`'s k_{2p} q_{2p} + k_{2p+1} q_{2p+1}, in the key's own lane. */
 static inline __attribute__((always_inline)) void score_pairs_bf16(const uint32_t (*qp)[272], const int G, const int NV,
-                                                                   const uint32_t *k, long cnt, long P, float scale,
-                                                                   float *w, long SP, long s) {
+                                                                   const uint32_t *k0, const uint32_t *k1, long cnt,
+                                                                   long P, float scale, float *w, long SP, long s) {
     __mmask16 m[2] = {lanes16(cnt), lanes16(cnt - 16)};
+    const uint32_t *k[2] = {k0, k1};                      /* keys s … s+15 and s+16 … s+31 */
     __m512 acc[GMAX][2];
     for (int g = 0; g < G; g++)
         for (int v = 0; v < NV; v++) acc[g][v] = _mm512_setzero_ps();
     for (long p = 0; p < P; p++) {
         __m512i x[2];
-        for (int v = 0; v < NV; v++) x[v] = _mm512_maskz_loadu_epi32(m[v], k + v * P * 16 + p * 16);
+        for (int v = 0; v < NV; v++) x[v] = _mm512_maskz_loadu_epi32(m[v], k[v] + p * 16);
         for (int g = 0; g < G; g++) {
             __m512bh b = (__m512bh)_mm512_set1_epi32((int)qp[g][p]);
             for (int v = 0; v < NV; v++) acc[g][v] = _mm512_dpbf16_ps(acc[g][v], (__m512bh)x[v], b);
@@ -195,27 +196,48 @@ static inline __attribute__((always_inline)) void score_pairs_bf16(const uint32_
             _mm512_mask_storeu_ps(w + g * SP + s + 16 * v, m[v], _mm512_mul_ps(acc[g][v], _mm512_set1_ps(scale)));
 }
 
+/* The G queries qr[g] rounded to bf16 (`vcvtne2ps2bf16`, nearest, ties to even) in pairs: qp[g][p] holds
+   dimensions 2p and 2p + 1. */
+static inline __attribute__((always_inline)) void queries_bf16(const float *const *qr, const int G, long D,
+                                                               uint32_t (*qp)[272]) {
+    const long P = D / 2;
+    for (int g = 0; g < G; g++)
+        for (long p = 0; p < P; p += 16)
+            _mm512_storeu_si512(qp[g] + p, (__m512i)_mm512_cvtne2ps_pbh(
+                                               _mm512_maskz_loadu_ps(lanes16(2 * (P - p) - 16), qr[g] + 2 * p + 16),
+                                               _mm512_maskz_loadu_ps(lanes16(2 * (P - p)), qr[g] + 2 * p)));
+}
+
+static inline __attribute__((always_inline)) void score_paired_bf16(const uint32_t (*qp)[272], const int G,
+                                                                    const kv_view *kv, long blk, long j0, long n,
+                                                                    long s0, long kh, long D, float scale, float *w,
+                                                                    long SP);
+
 /* G query vectors qr[g] against positions s0 … s0+n-1 (offsets j0 … of block blk) of a bf16 store: each
    query rounded to bf16 (`vcvtne2ps2bf16`, nearest, ties to even), 32 keys at a time. Twice the multiply
    rate of float32 FMAs; the price is the query's rounding (the keys are bf16 already). */
 static inline __attribute__((always_inline)) void score_paired(const float *const *qr, const int G, const kv_view *kv,
                                                                long blk, long j0, long n, long s0, long kh, long D,
                                                                float scale, float *w, long SP) {
+    uint32_t qp[GMAX][272];                               /* D ≤ 512: 256 pairs, and a vector's slack */
+    queries_bf16(qr, G, D, qp);
+    score_paired_bf16(qp, G, kv, blk, j0, n, s0, kh, D, scale, w, SP);
+}
+
+/* score_paired with the queries already in pairs. */
+static inline __attribute__((always_inline)) void score_paired_bf16(const uint32_t (*qp)[272], const int G,
+                                                                    const kv_view *kv, long blk, long j0, long n,
+                                                                    long s0, long kh, long D, float scale, float *w,
+                                                                    long SP) {
     const uint32_t *chunk = paired_words(kv, kv->k, blk, kh);
     const long P = D / 2;
-    uint32_t qp[GMAX][272];                               /* D ≤ 512: 256 pairs, and a vector's slack */
-    for (int g = 0; g < G; g++)
-        for (long p = 0; p < P; p += 16)
-            _mm512_storeu_si512(qp[g] + p, (__m512i)_mm512_cvtne2ps_pbh(
-                                               _mm512_maskz_loadu_ps(lanes16(2 * (P - p) - 16), qr[g] + 2 * p + 16),
-                                               _mm512_maskz_loadu_ps(lanes16(2 * (P - p)), qr[g] + 2 * p)));
     for (long j = 0; j < n; j += 32) {
         long cnt = n - j < 32 ? n - j : 32;
         const uint32_t *k = key_words(chunk, j0 + j, D);
         if (cnt > 16)
-            score_pairs_bf16(qp, G, 2, k, cnt, P, scale, w, SP, s0 + j);
+            score_pairs_bf16(qp, G, 2, k, k + P * 16, cnt, P, scale, w, SP, s0 + j);
         else
-            score_pairs_bf16(qp, G, 1, k, cnt, P, scale, w, SP, s0 + j);
+            score_pairs_bf16(qp, G, 1, k, k, cnt, P, scale, w, SP, s0 + j);
     }
 }
 
@@ -270,6 +292,84 @@ static inline __attribute__((always_inline)) void mix_paired(const float *w, lon
                 }
                 out[g][d] = acc;
             }
+    }
+}
+
+/* One row against its whole prefix 0 … p of a bf16 store (block table `table`), G heads: what the tile
+   loop of group_G computes, bit for bit, with less work per block. The queries are rounded to pairs once
+   (not once per tile); each head's weights are rounded to pairs once, in place (word m of head g at
+   ((uint32_t *)(w + g · SP))[m], the pair of positions 2m and 2m + 1); and the value sums stay in
+   registers from the first block to the last instead of being stored and reloaded at every tile — the
+   same `vdpbf16ps` per pair in the same ascending order, so the same floats. A decode or verify row at a
+   long context on 16-position blocks spent about a quarter of its attention on those per-tile steps.
+   Needs blocks of an even size (or one block: pairs are then the prefix's own) and D a multiple of the
+   16 · NV dimensions a sweep takes (row_paired_fits). */
+#define ROW_PAIRED 1
+static float softmax_row(float *w, long p);
+static inline int row_paired_fits(const kv_view *kv, int G, long D, long p) {
+    return (kv->bs % 2 == 0 || kv->bs > p) && D % (16 * (G <= 6 ? 4 : 2)) == 0 && D <= 512;
+}
+
+static inline __attribute__((always_inline)) void row_paired(const float *q, const int G, const kv_view *kv,
+                                                             const int64_t *table, long p, long kh, long D,
+                                                             float scale, float *w, long SP, float *out) {
+    const long n = p + 1, bs = kv->bs;
+    const float *qr[GMAX];
+    uint32_t qp[GMAX][272];
+    for (int g = 0; g < G; g++) qr[g] = q + g * D;
+    queries_bf16(qr, G, D, qp);
+    if (bs == 16)                                         /* two blocks' keys per sweep of the queries */
+        for (long s0 = 0; s0 < n; s0 += 32) {
+            long cnt = n - s0 < 32 ? n - s0 : 32;
+            if (s0 + 32 < n) {
+                prefetch_keys(kv, table[s0 / 16 + 2], 0, n - s0 - 32 < 16 ? n - s0 - 32 : 16, kh, D);
+                if (s0 + 48 < n) prefetch_keys(kv, table[s0 / 16 + 3], 0, n - s0 - 48 < 16 ? n - s0 - 48 : 16, kh, D);
+            }
+            const uint32_t *k0 = paired_words(kv, kv->k, table[s0 / 16], kh);
+            if (cnt > 16)
+                score_pairs_bf16(qp, G, 2, k0, paired_words(kv, kv->k, table[s0 / 16 + 1], kh), cnt, D / 2, scale, w,
+                                 SP, s0);
+            else
+                score_pairs_bf16(qp, G, 1, k0, k0, cnt, D / 2, scale, w, SP, s0);
+        }
+    else
+        for (long s0 = 0; s0 < n; s0 += bs) {
+            long cnt = n - s0 < bs ? n - s0 : bs;
+            if (s0 + bs < n) prefetch_keys(kv, table[(s0 + bs) / bs], 0, n - s0 - bs < VL ? n - s0 - bs : VL, kh, D);
+            score_paired_bf16(qp, G, kv, table[s0 / bs], 0, cnt, s0, kh, D, scale, w, SP);
+        }
+    float inv[GMAX];
+    for (int g = 0; g < G; g++) {
+        inv[g] = softmax_row(w + g * SP, p);              /* zero from n to spad(n) */
+        float *ws = w + g * SP;
+        for (long c = 0; c < n; c += 32)                  /* word c/2 + i from floats c + 2i, c + 2i + 1: read first */
+            _mm512_mask_storeu_epi32((uint32_t *)ws + c / 2, lanes16((n - c + 1) / 2),
+                                     (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(lanes16(n - c - 16), ws + c + 16),
+                                                                  _mm512_maskz_loadu_ps(lanes16(n - c), ws + c)));
+    }
+    const int NV = G <= 6 ? 4 : 2;
+    for (long d = 0; d < D; d += 16 * NV) {
+        __m512 acc[GMAX][4];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < NV; c++) acc[g][c] = _mm512_setzero_ps();
+        for (long s0 = 0; s0 < n; s0 += bs) {
+            long cnt = n - s0 < bs ? n - s0 : bs, np = (cnt + 1) / 2;
+            const uint32_t *v = paired_words(kv, kv->v, table[s0 / bs], kh) + d;
+            for (long m = 0; m < np; m++) {
+                __m512i x[4];
+                for (int c = 0; c < NV; c++) {
+                    x[c] = _mm512_loadu_si512(v + m * D + 16 * c);
+                    if (2 * m + 1 == cnt) x[c] = _mm512_and_si512(x[c], _mm512_set1_epi32(0xFFFF));   /* lone last */
+                }
+                for (int g = 0; g < G; g++) {
+                    __m512bh b = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(w + g * SP))[s0 / 2 + m]);
+                    for (int c = 0; c < NV; c++) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], (__m512bh)x[c], b);
+                }
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < NV; c++)
+                _mm512_storeu_ps(out + g * D + d + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
     }
 }
 #else
@@ -385,6 +485,15 @@ static inline __attribute__((always_inline)) void mix_paired(const float *w, lon
             }
             out[g][d] = acc;
         }
+}
+#endif
+
+#if !defined(__AVX512BF16__)
+#define ROW_PAIRED 0
+static inline int row_paired_fits(const kv_view *kv, int G, long D, long p) { (void)kv, (void)G, (void)D, (void)p; return 0; }
+static inline void row_paired(const float *q, const int G, const kv_view *kv, const int64_t *table, long p, long kh,
+                              long D, float scale, float *w, long SP, float *out) {
+    (void)q, (void)G, (void)kv, (void)table, (void)p, (void)kh, (void)D, (void)scale, (void)w, (void)SP, (void)out;
 }
 #endif
 
@@ -597,6 +706,10 @@ static inline long tile_at(const kv_view *kv, const int64_t *table, long s0, lon
         for (long i = 0; i < nr; i++) {                                                                  \
             pmax = pos[r0 + i] > pmax ? pos[r0 + i] : pmax;                                              \
             memset(out + ((r0 + i) * H + h0) * D, 0, sizeof(float) * G * D);                             \
+        }                                                                                                \
+        if (ROW_PAIRED && nr == 1 && kv->bf16 && row_paired_fits(kv, G, D, pmax)) {                      \
+            row_paired(q + r0 * q_rs + h0 * D, G, kv, table, pmax, kh, D, scale, w, SP, out + (r0 * H + h0) * D); \
+            return;                                                                                      \
         }                                                                                                \
         for (long s0 = 0, n, blk, j0; s0 <= pmax; s0 += n) {                                             \
             n = tile_at(kv, table, s0, pmax, kt, &blk, &j0);                                             \
