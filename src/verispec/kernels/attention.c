@@ -355,6 +355,11 @@ static inline __attribute__((always_inline)) void row_paired(const float *q, con
         for (long s0 = 0; s0 < n; s0 += bs) {
             long cnt = n - s0 < bs ? n - s0 : bs, np = (cnt + 1) / 2;
             const uint32_t *v = paired_words(kv, kv->v, table[s0 / bs], kh) + d;
+            if (d == 0 && s0 + 2 * bs < n) {                  /* the block after next, into L2 */
+                const char *nv = (const char *)paired_words(kv, kv->v, table[s0 / bs + 2], kh);
+                long bytes = ((n - s0 - 2 * bs < bs ? n - s0 - 2 * bs : bs) + 1) / 2 * D * 4;
+                for (long off = 0; off < bytes; off += 64) _mm_prefetch(nv + off, _MM_HINT_T1);
+            }
             for (long m = 0; m < np; m++) {
                 __m512i x[4];
                 for (int c = 0; c < NV; c++) {
