@@ -9,9 +9,12 @@
  * at a long context reads the cache once, not T times), and each key row feeds G independent FMA
  * chains. Per row and head: scores in order over s, softmax (max,
  * exp, sum in 8 lanes then across them), then Σ_s p_s · v_s in order — a fixed sequence of operations
- * that depends only on that row's query and prefix, never on how many rows share the pass or how the
- * cache is laid out, so a K+1 verify row equals a 1-token decode step bit for bit. The AVX-512 build
- * uses 16-wide vectors for the dot products and the value mix (the AVX2 build 8-wide).
+ * that depends only on that row's query and prefix, never on how many rows share the pass or where the
+ * cache's blocks lie, so a K+1 verify row equals a 1-token decode step bit for bit. (bf16 stores pair
+ * positions within a block: blocks of an odd size pair them otherwise than one contiguous cache, a
+ * fixed choice of the engine's layout.) The AVX-512 build uses 16-wide vectors for the dot products and
+ * the value mix (the AVX2 build 8-wide); with AVX512_BF16 a one-row work item sweeps its whole prefix
+ * with its sums in registers (row_paired) instead of tile by tile, the same operations in the same order.
  */
 #include "kernels.h"
 
