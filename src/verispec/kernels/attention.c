@@ -306,7 +306,9 @@ static inline __attribute__((always_inline)) void mix_paired(const float *w, lon
    same `vdpbf16ps` per pair in the same ascending order, so the same floats. A decode or verify row at a
    long context on 16-position blocks spent about a quarter of its attention on those per-tile steps.
    Needs blocks of an even size (or one block: pairs are then the prefix's own) and D a multiple of the
-   16 · NV dimensions a sweep takes (row_paired_fits). */
+   16 · NV dimensions a sweep takes (row_paired_fits). stream: one row per sequence in the pass, whose
+   values come from memory (prefetched two blocks ahead); the rows of a verify pass share theirs from
+   the caches after the first. */
 #define ROW_PAIRED 1
 static float softmax_row(float *w, long p);
 static inline int row_paired_fits(const kv_view *kv, int G, long D, long p) {
@@ -315,7 +317,7 @@ static inline int row_paired_fits(const kv_view *kv, int G, long D, long p) {
 
 static inline __attribute__((always_inline)) void row_paired(const float *q, const int G, const kv_view *kv,
                                                              const int64_t *table, long p, long kh, long D,
-                                                             float scale, float *w, long SP, float *out) {
+                                                             float scale, float *w, long SP, float *out, int stream) {
     const long n = p + 1, bs = kv->bs;
     const float *qr[GMAX];
     uint32_t qp[GMAX][272];
@@ -358,7 +360,7 @@ static inline __attribute__((always_inline)) void row_paired(const float *q, con
         for (long s0 = 0; s0 < n; s0 += bs) {
             long cnt = n - s0 < bs ? n - s0 : bs, np = (cnt + 1) / 2;
             const uint32_t *v = paired_words(kv, kv->v, table[s0 / bs], kh) + d;
-            if (d == 0 && s0 + 2 * bs < n) {                  /* the block after next, into L2 */
+            if (stream && d == 0 && s0 + 2 * bs < n) {        /* the block after next, into L2 */
                 const char *nv = (const char *)paired_words(kv, kv->v, table[s0 / bs + 2], kh);
                 long bytes = ((n - s0 - 2 * bs < bs ? n - s0 - 2 * bs : bs) + 1) / 2 * D * 4;
                 for (long off = 0; off < bytes; off += 64) _mm_prefetch(nv + off, _MM_HINT_T1);
@@ -500,8 +502,9 @@ static inline __attribute__((always_inline)) void mix_paired(const float *w, lon
 #define ROW_PAIRED 0
 static inline int row_paired_fits(const kv_view *kv, int G, long D, long p) { (void)kv, (void)G, (void)D, (void)p; return 0; }
 static inline void row_paired(const float *q, const int G, const kv_view *kv, const int64_t *table, long p, long kh,
-                              long D, float scale, float *w, long SP, float *out) {
+                              long D, float scale, float *w, long SP, float *out, int stream) {
     (void)q, (void)G, (void)kv, (void)table, (void)p, (void)kh, (void)D, (void)scale, (void)w, (void)SP, (void)out;
+    (void)stream;
 }
 #endif
 
@@ -706,7 +709,7 @@ static inline long tile_at(const kv_view *kv, const int64_t *table, long s0, lon
 #define ATTEND_GROUP(G)                                                                                  \
     static void group_##G(const float *q, long q_rs, float *out, long H, const kv_view *kv,              \
                           const int64_t *table, const int64_t *pos, long r0, long nr, long kh, long h0,  \
-                          long D, float scale, float *w, long SP) {                                      \
+                          long D, float scale, float *w, long SP, int stream) {                          \
         float *inv = w + nr * G * SP;                                                                    \
         long pmax = 0, kt = nr > 1 ? KT : kv->bs;                                                        \
         const int shared = nr > 1 && tile_shared(kv, D);                                                 \
@@ -716,7 +719,8 @@ static inline long tile_at(const kv_view *kv, const int64_t *table, long s0, lon
             memset(out + ((r0 + i) * H + h0) * D, 0, sizeof(float) * G * D);                             \
         }                                                                                                \
         if (ROW_PAIRED && nr == 1 && kv->bf16 && row_paired_fits(kv, G, D, pmax)) {                      \
-            row_paired(q + r0 * q_rs + h0 * D, G, kv, table, pmax, kh, D, scale, w, SP, out + (r0 * H + h0) * D); \
+            row_paired(q + r0 * q_rs + h0 * D, G, kv, table, pmax, kh, D, scale, w, SP, out + (r0 * H + h0) * D, \
+                       stream);                                                                          \
             return;                                                                                      \
         }                                                                                                \
         for (long s0 = 0, n, blk, j0; s0 <= pmax; s0 += n) {                                             \
@@ -771,7 +775,7 @@ static inline long tile_at(const kv_view *kv, const int64_t *table, long s0, lon
 ATTEND_GROUP(1) ATTEND_GROUP(2) ATTEND_GROUP(3) ATTEND_GROUP(4)
 ATTEND_GROUP(5) ATTEND_GROUP(6) ATTEND_GROUP(7) ATTEND_GROUP(8)
 typedef void (*group_fn)(const float *, long, float *, long, const kv_view *, const int64_t *, const int64_t *, long,
-                         long, long, long, long, float, float *, long);
+                         long, long, long, long, float, float *, long, int);
 static const group_fn GROUPS[GMAX + 1] = {0, group_1, group_2, group_3, group_4, group_5, group_6, group_7, group_8};
 
 void vs_attend_ws(const float *q, long q_rs, const kv_view *kv, const int64_t *pos, float *out, long B,
@@ -792,7 +796,8 @@ void vs_attend_ws(const float *q, long q_rs, const kv_view *kv, const int64_t *p
         long c = it % nchunks, rest = it / nchunks, gi = rest % ngroups, kh = (rest / ngroups) % Hkv;
         long b = rest / ngroups / Hkv, t0 = c * chunk, nr = T - t0 < chunk ? T - t0 : chunk;
         long g0 = gi * GMAX, gn = G - g0 < GMAX ? G - g0 : GMAX;
-        GROUPS[gn](q, q_rs, out, H, kv, kv->tables + b * kv->nb, pos, b * T + t0, nr, kh, kh * G + g0, D, scale, w, SP);
+        GROUPS[gn](q, q_rs, out, H, kv, kv->tables + b * kv->nb, pos, b * T + t0, nr, kh, kh * G + g0, D, scale, w, SP,
+                   T == 1);
     }
 }
 
