@@ -714,14 +714,14 @@ static inline long tile_at(const kv_view *kv, const int64_t *table, long s0, lon
         long pmax = 0, kt = nr > 1 ? KT : kv->bs;                                                        \
         const int shared = nr > 1 && tile_shared(kv, D);                                                 \
         float tb[shared ? KT * D : 1];                       /* a converted tile (KT a multiple of VL) */ \
+        if (ROW_PAIRED && nr == 1 && kv->bf16 && row_paired_fits(kv, G, D, pos[r0])) {   /* writes all of out */ \
+            row_paired(q + r0 * q_rs + h0 * D, G, kv, table, pos[r0], kh, D, scale, w, SP, out + (r0 * H + h0) * D, \
+                       stream);                                                                          \
+            return;                                                                                      \
+        }                                                                                                \
         for (long i = 0; i < nr; i++) {                                                                  \
             pmax = pos[r0 + i] > pmax ? pos[r0 + i] : pmax;                                              \
             memset(out + ((r0 + i) * H + h0) * D, 0, sizeof(float) * G * D);                             \
-        }                                                                                                \
-        if (ROW_PAIRED && nr == 1 && kv->bf16 && row_paired_fits(kv, G, D, pmax)) {                      \
-            row_paired(q + r0 * q_rs + h0 * D, G, kv, table, pmax, kh, D, scale, w, SP, out + (r0 * H + h0) * D, \
-                       stream);                                                                          \
-            return;                                                                                      \
         }                                                                                                \
         for (long s0 = 0, n, blk, j0; s0 <= pmax; s0 += n) {                                             \
             n = tile_at(kv, table, s0, pmax, kt, &blk, &j0);                                             \

@@ -10,7 +10,7 @@
  * of at most CHUNK_ROWS: the norm, QKV projection and cache write of every chunk, then the attention
  * of all rows (a row may read keys that a later row of the pass writes), then o_proj to the MLP's
  * residual chunk by chunk. A chunk's activations and MLP buffers stay in the caches where the whole
- * pass's would not (Zen 4, the 3,090-token long copy in passes of 8 × 65 rows: prefill 20.2 -> 19.0 s).
+ * pass's would not (Zen 4, the 3,090-token long copy in passes of 8 × 65 rows: prefill 20.2 -> 19.2 s).
  *
  * Row exactness: every step computes a row from that row alone (plus the cached prefix it attends),
  * by one fixed sequence of operations, whatever R is — so a verify row equals a decode step bit for
@@ -125,7 +125,8 @@ static void silu_mul_ws(const float *gu, float *act, long R, long I) {
 }
 
 /* Bias, RoPE (rotate-half: v·cos + rot(v)·sin with rot(v) = [-v₂, v₁]) and the cache write, one
-   head vector of one row per work item. */
+   head vector of one row per work item, for R rows that start at row r0 of the pass (a chunk; its
+   rows' batch rows, and so their block tables, count from there). */
 static void qkv_post_ws(float *qkv, const float *bias, const float *cos, const float *sin, const int64_t *pos,
                         const kv_view *kv, long r0, long R, long T, long H, long Hkv, long D) {
     long heads = H + 2 * Hkv, half = D / 2;
