@@ -210,13 +210,28 @@ def test_the_shipped_head_loads_for_the_embedded_target_and_says_how_it_was_made
 def test_the_corpus_puts_the_targets_own_answers_first_and_keeps_to_the_budget(monkeypatch, tmp_path):
     from verispec.cli import train_head
 
-    answers = [list(range(600)), list(range(40)), list(range(100))]
-    monkeypatch.setattr(train_head, "_own_answers", lambda target, dtype: answers)
+    answers = {"answers": [list(range(600)), list(range(40)), list(range(100))], "tasks": [list(range(70))]}
+    monkeypatch.setattr(train_head, "_own_answers", lambda target, dtype, entry: answers[entry])
     (tmp_path / "a.py").write_text("x = 1\n" * 2000)
     windows, name = train_head._corpus(["answers", str(tmp_path)], tiny_text_model(0), "auto", 2000)
     # an answer's 88-token tail is kept, a 40-token answer is not; then whole 512-token windows of text
-    assert windows[:3] == [answers[0][:512], answers[0][512:], answers[2]]
+    assert windows[:3] == [answers["answers"][0][:512], answers["answers"][0][512:], answers["answers"][2]]
     assert [len(w) for w in windows[3:]] == [512, 512] and name == f"answers {tmp_path}"
+    windows, name = train_head._corpus(["tasks", "answers"], tiny_text_model(0), "auto", 2000)
+    assert windows == [answers["answers"][0][:512], answers["answers"][0][512:], answers["answers"][2],
+                       answers["tasks"][0]] and name == "tasks answers"
+
+
+def test_task_prompts_are_made_from_documented_stdlib_names_and_are_the_same_each_time():
+    from verispec.text_collection import stdlib_tasks
+
+    tasks = stdlib_tasks(40)
+    assert tasks == stdlib_tasks(40) and len(tasks) == 40 and len({t[0] for t in tasks}) == 40
+    assert [kind for _, kind, _ in tasks].count("explanation") == 10
+    for id, kind, prompt in tasks:
+        name = id.rsplit(".", 1)[1]
+        assert name in prompt and not name.startswith("_") and ".test" not in id
+        assert kind == "explanation" or "Write a Python function" in prompt or "Implement a Python class" in prompt
 
 
 def test_heads_compute_only_the_positions_a_round_drafts():

@@ -13,6 +13,7 @@ from verispec.errors import VerispecError
 
 DEFAULT_TOKENS = 150_000
 DEFAULT_CORPUS = ("answers", "stdlib")
+NAMED_CORPORA = ("answers", "tasks", "stdlib")
 STDLIB_BYTES = 8 << 20      # of standard-library sources
 
 
@@ -30,7 +31,9 @@ def add_parser(sub) -> None:
     p.add_argument("--kind", default="medusa", choices=["medusa", "eagle"], help="head kind (default medusa)")
     p.add_argument("--corpus", nargs="+", default=list(DEFAULT_CORPUS),
                    help="what to read: 'answers' (the target's own greedy answers to the HumanEval and MT-bench "
-                        "prompts, generated once and cached), 'stdlib' (the Python standard library's sources), "
+                        "prompts, generated once and cached), 'tasks' (its answers to code and explanation requests "
+                        "made from the standard library's documented functions and classes, cached likewise), "
+                        "'stdlib' (the Python standard library's sources), "
                         f"or text files and directories (default: {' '.join(DEFAULT_CORPUS)})")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
                    help=f"how many tokens of text to read (default {DEFAULT_TOKENS:,})")
@@ -53,18 +56,29 @@ def add_parser(sub) -> None:
 ANSWER_SUITES = ("humaneval", "mtbench")   # public prompt sets whose answers the target writes itself
 ANSWER_TOKENS = 384                         # longest answer kept per prompt
 ANSWER_BATCH = 16                           # prompts decoded together (plain greedy, row-exact)
+TASK_PROMPTS = 480                          # requests made from the standard library's documented names
 
 
-def _own_answers(target, dtype: str) -> list[list[int]]:
-    """Token ids of each public prompt (chat template applied) followed by the target's own greedy answer.
-    Written batch by batch under the cache (`head-answers/`), so an interrupted run resumes; the bundled
-    suite's prompts are left out, so that `verispec bench` measures heads on prompts they never saw."""
-    from verispec.bench.suites import load_suite
+def _answer_prompts(entry: str) -> list:
+    """The prompts of a corpus entry whose answers the target writes: `answers` (HumanEval and MT-bench)
+    or `tasks` (code and explanation requests made from the standard library, text_collection.py)."""
+    from verispec.bench.suites import BenchPrompt, load_suite
+    from verispec.text_collection import stdlib_tasks
+
+    if entry == "answers":
+        return [p for suite in ANSWER_SUITES for p in load_suite(suite)]
+    return [BenchPrompt(id, kind, prompt) for id, kind, prompt in stdlib_tasks(TASK_PROMPTS)]
+
+
+def _own_answers(target, dtype: str, entry: str) -> list[list[int]]:
+    """Token ids of each prompt of `entry` (chat template applied) followed by the target's own greedy
+    answer. Written batch by batch under the cache (`head-answers/`), so an interrupted run resumes; the
+    bundled suite's prompts are never used, so that `verispec bench` measures heads on prompts they never saw."""
     from verispec.cache import atomic_file, cache_dir
     from verispec.engine.llm import LLM
     from verispec.engine.params import SamplingParams
 
-    prompts = [p for suite in ANSWER_SUITES for p in load_suite(suite)]
+    prompts = _answer_prompts(entry)
     name = json.dumps([target.name, dtype, [p.id for p in prompts], ANSWER_TOKENS])
     path = cache_dir() / "head-answers" / f"{hashlib.sha256(name.encode()).hexdigest()[:16]}.json"
     done: dict[str, list[int]] = {}
@@ -84,7 +98,7 @@ def _own_answers(target, dtype: str) -> list[list[int]]:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(path) as tmp:
             tmp.write_text(json.dumps(done))
-        sys.stderr.write(f"\ranswers: {len(prompts) - len(todo) + i + len(batch)}/{len(prompts)} prompts")
+        sys.stderr.write(f"\r{entry}: {len(prompts) - len(todo) + i + len(batch)}/{len(prompts)} prompts")
         sys.stderr.flush()
     if todo:
         sys.stderr.write("\n")
@@ -99,12 +113,13 @@ def _corpus(entries: list[str], target, dtype: str, tokens: int) -> tuple[list[l
     from verispec.text_collection import stdlib_sources
 
     windows: list[list[int]] = []
-    if "answers" in entries:
-        windows += windows_of(_own_answers(target, dtype), min_tail=64)
+    for entry in ("answers", "tasks"):
+        if entry in entries:
+            windows += windows_of(_own_answers(target, dtype, entry), min_tail=64)
     texts: list[str] = []
     if "stdlib" in entries:
         texts += list(stdlib_sources(STDLIB_BYTES))
-    paths = [e for e in entries if e not in ("answers", "stdlib")]
+    paths = [e for e in entries if e not in NAMED_CORPORA]
     if paths:
         from verispec.proposers.retrieval import read_corpus
 
@@ -146,7 +161,7 @@ def run(args) -> int:
         raise VerispecError(f"cannot write {out}: {exc.strerror or exc}") from None
     if not os.access(out.parent, os.W_OK) or out.is_dir():
         raise VerispecError(f"cannot write {out}: not a writable file path")
-    missing = [e for e in args.corpus if e not in ("answers", "stdlib") and not Path(e).exists()]
+    missing = [e for e in args.corpus if e not in NAMED_CORPORA and not Path(e).exists()]
     if missing:
         raise VerispecError(f"--corpus: no such file or directory: {', '.join(missing)}")
     if "answers" in args.corpus:             # the prompt sets are installed: fail before loading anything
