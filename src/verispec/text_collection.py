@@ -1,6 +1,7 @@
 """Built-in text every machine with Python already has: the standard library's sources (code,
-docstrings, comments), and the bundled benchmark prompts. Counted for a truncated draft vocabulary
-(proposers/draft_vocab.py) and read as training text for drafting heads (heads/train.py)."""
+docstrings, comments), requests made from its documented names, and the bundled benchmark prompts.
+Counted for a truncated draft vocabulary (proposers/draft_vocab.py) and read as training text for
+drafting heads (heads/train.py; the requests are answered by the target, cli/train_head.py)."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def stdlib_tasks(count: int, seed: int = 0) -> list[tuple[str, str, str]]:
     tasks = []
     for i, name in enumerate(names[:count]):
         module, sig, summary, is_class = found[name]
-        what = summary[0].lower() + summary[1:] if summary[:2].istitle() or summary[1:2].islower() else summary
+        what = summary if summary[1:2].isupper() else summary[0].lower() + summary[1:]    # "URL…" stays
         if i % 4 == 3:
             tasks.append((f"explain-{module}.{name}", "explanation",
                           f"Explain what `{module}.{name}` in Python's standard library does, with a short example."))
