@@ -13,7 +13,10 @@
  * half-group's scale, and the Q term is one more vpmaddwd per group, (sc0, sc1) · (Q0, Q1):
  *   J = (sc0 · I0 + sc1 · I1) − 32 · (sc0 · Q0 + sc1 · Q1)
  * the same integer as above (|sc · I| ≤ 128 · 16 · 63 · 127, so no int32 sum wraps), with no 32-bit
- * multiply (vpmulld) per row.
+ * multiply (vpmulld) per row. On AVX-512 the join is in fp32 instead of two vpmulld: I' = I − 32 Q of a
+ * half-group is below 16 · 32 · 127 in magnitude and sc · I' below 2²⁴, so float(sc1) · float(I1') is
+ * exact and fma(float(sc0), float(I0'), that) rounds the exact integer J once — float(J), the same bits
+ * (2–4 % faster at 6–256 rows than the two vpmulld, alternated in one process).
  *
  * Layout (kernels.pack_int6), 16 output columns per block, zero past N:
  *   wp (ceil(N/16), K/32, 6, 16) uint32: words 0 … 3 of group g hold the low nibbles of chunk j (k = 32g
@@ -80,11 +83,12 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
             __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sg));             \
             __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sg + 16)));      \
             __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ds + (b * S + g / 8) * 16))); \
-            for (int m = 0; m < MM; m++) {                                                        \
-                __m512i jv = _mm512_add_epi32(_mm512_mullo_epi32(sc0, isum[0][m]),                \
-                                              _mm512_mullo_epi32(sc1, isum[1][m]));               \
+            __m512 sc0f = _mm512_cvtepi32_ps(sc0), sc1f = _mm512_cvtepi32_ps(sc1);                \
+            for (int m = 0; m < MM; m++) {  /* J in fp32: sc1 · I1' exact, one rounding of the sum */ \
+                __m512 jf = _mm512_fmadd_ps(sc0f, _mm512_cvtepi32_ps(isum[0][m]),                \
+                                            _mm512_mul_ps(sc1f, _mm512_cvtepi32_ps(isum[1][m])));  \
                 __m512 t = _mm512_mul_ps(dv, _mm512_set1_ps(s8[m * G + g]));                      \
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(jv), t, acc[m]);                      \
+                acc[m] = _mm512_fmadd_ps(jf, t, acc[m]);                                          \
             }                                                                                     \
         }                                                                                         \
         long c = 16 * b, left = N - c;                                                            \
