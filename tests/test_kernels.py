@@ -563,6 +563,19 @@ def test_every_variant_gives_the_same_matmul_bits():
         first = libs[0].int6_gemm(x, six.packed, six.scales, six.supers)
         for other in libs[1:]:
             assert torch.equal(other.int6_gemm(x, six.packed, six.scales, six.supers), first), (other.variant, m)
+    # int6 at its extremes: AVX-512 joins a group's two half-group sums in fp32, exact only while every
+    # sc · (I − 32 Q) stays below 2²⁴ — here 128 · 16 · 32 · 127, the largest there is.
+    f = q6_fields(32, 512, seed=2)
+    f.q[:] = 0
+    f.q[16:, ::2] = 63
+    f.sc[:, ::2] = -128
+    f.sc[:, 1::2] = 127
+    six = quant.Int6Linear.from_fields(f)
+    x = torch.where(torch.arange(512) % 3 == 0, 4.0, -4.0).repeat(3, 1)
+    x[1] = 1.0
+    first = libs[0].int6_gemm(x, six.packed, six.scales, six.supers)
+    for other in libs[1:]:
+        assert torch.equal(other.int6_gemm(x, six.packed, six.scales, six.supers), first), other.variant
     q, kv = torch.randn(2, 12, 5, 128), torch.randn(2, 2, 300, 128)
     positions = torch.stack([torch.arange(290, 295), torch.arange(10, 15)])
     # Attention sums in 16 lanes on AVX-512 and 8 on AVX2: the same values to float rounding.
