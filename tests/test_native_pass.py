@@ -114,6 +114,38 @@ def test_a_wide_pass_runs_in_row_chunks_that_see_every_row_of_the_pass():
     assert torch.equal(wide.k[:, :, :150], narrow.k[:, :, :150]) and torch.equal(wide.v[:, :, :150], narrow.v[:, :, :150])
 
 
+@pytest.mark.parametrize("kind", ["static", "paged"])
+def test_a_pass_that_keeps_some_rows_gives_those_rows_and_the_cache_of_a_full_pass(kind):
+    """`keep` (the rows a caller reads): the last layer's o_proj and MLP run on those rows alone. The
+    kept rows equal a full pass's bit for bit and every key and value is written as before — for
+    none kept (a prefill piece), rows packed near the front (a scatter back in the wrong order
+    overwrites them), rows across the decoder's row chunks, and all."""
+    model = int8_model(**SHAPES["llama GQA 6:1, head 32, odd widths"])
+    model.native_pass = True
+    tokens = [(11 * i) % 89 + 1 for i in range(180)]
+    starts = [0, 60, 120]                                             # 3 pieces of 60: 180 rows > CHUNK_ROWS
+    ids = torch.tensor([tokens[a:a + 60] for a in starts])
+    positions = torch.tensor(starts)[:, None] + torch.arange(60)[None, :]
+    slots = [0, 0, 0]
+
+    def cache():
+        if kind == "static":
+            return KVCache.for_model(model.config, 1, 180, torch.float32)
+        blocks = torch.randperm(46, generator=torch.Generator().manual_seed(1)).add(1).tolist()
+        return PagedKVCache(model.config, num_blocks=47, block_size=4, dtype=torch.float32, block_tables={0: blocks})
+
+    full_cache = cache()
+    full = model(ids, positions, full_cache.view(slots, positions)).reshape(180, -1).clone()
+    for keep in ([], [0], [1, 2, 3, 5, 8], [0, 59, 60, 71, 72, 119, 130, 179], list(range(180))):
+        c = cache()
+        out = model(ids, positions, c.view(slots, positions), keep=torch.tensor(keep, dtype=torch.long))
+        assert torch.equal(out.reshape(180, -1)[keep], full[keep]), keep
+        assert torch.equal(c.k, full_cache.k) and torch.equal(c.v, full_cache.v), keep
+    for bad in ([5, 3], [4, 4], [180], [-1]):
+        with pytest.raises(ValueError, match="ascending"):
+            model(ids, positions, cache().view(slots, positions), keep=torch.tensor(bad))
+
+
 def test_bf16_blocks_of_16_give_the_rows_of_one_contiguous_cache():
     """The one-row attention sweep reads 16-position blocks two at a time and keeps its sums across
     blocks; a paged bf16 cache of scattered 16- or 32-position blocks gives the hidden states of a
@@ -158,8 +190,8 @@ def test_a_row_dependent_pass_is_caught_by_the_identity_test(monkeypatch):
     plain = [o.token_ids for o in LLM(target, proposer="none").generate(prompts, params)]
     honest = NativeDecoder.__call__
 
-    def broken(self, x, cos, sin, cache):
-        out = honest(self, x, cos, sin, cache)
+    def broken(self, x, cos, sin, cache, keep=None):
+        out = honest(self, x, cos, sin, cache, keep)
         return out if out is None or out.shape[1] == 1 else out * (1 + 0.5 * torch.randn(out.shape[-1]))
 
     monkeypatch.setattr(NativeDecoder, "__call__", broken)

@@ -44,7 +44,7 @@ from verispec.kernels.packing import (BLOCK, int6_rows, pack_int4, pack_int6, pa
 HERE = Path(__file__).parent
 SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "gemm6.c", HERE / "attention.c", HERE / "decoder.c"]
 HEADER = HERE / "kernels.h"
-ABI = 18
+ABI = 19
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _status = "not loaded"
 
@@ -133,7 +133,8 @@ class NativeKernels:
                                              + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
         lib.verispec_decoder.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
                                          + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4
-                                         + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 4 + [ctypes.c_int] * 2)
+                                         + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 4
+                                         + [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int])
         lib.verispec_int4_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_void_p]
         lib.verispec_rmsnorm_rows.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] * 4
                                               + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p])
@@ -164,8 +165,8 @@ class NativeKernels:
         return _attend_rows(self.lib, q, keys, values, positions, scale)
 
     def decoder(self, x: torch.Tensor, weights, dims, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                layout: "CacheLayout") -> None:
-        _decoder(self.lib, x, weights, dims, cos, sin, positions, layout)
+                layout: "CacheLayout", keep: torch.Tensor | None = None) -> None:
+        _decoder(self.lib, x, weights, dims, cos, sin, positions, layout, keep)
 
 
 @lru_cache(maxsize=None)
@@ -277,9 +278,9 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, posit
 
 
 def decoder(x: torch.Tensor, weights, dims, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-            layout: "CacheLayout") -> None:
+            layout: "CacheLayout", keep: torch.Tensor | None = None) -> None:
     """A whole decoder pass in place on x (see decoder.c and `_decoder`)."""
-    _load().decoder(x, weights, dims, cos, sin, positions, layout)
+    _load().decoder(x, weights, dims, cos, sin, positions, layout, keep)
 
 
 def _int8_gemm(lib, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -379,10 +380,18 @@ def _attend_rows(lib, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def _decoder(lib, x: torch.Tensor, weights, dims: DecoderDims, cos: torch.Tensor, sin: torch.Tensor,
-             positions: torch.Tensor, layout: CacheLayout) -> None:
+             positions: torch.Tensor, layout: CacheLayout, keep: torch.Tensor | None = None) -> None:
     """x (B, T, C) float32 contiguous, updated in place; cos, sin (B, T, D) contiguous; positions (B, T)
-    int64 contiguous, each below the table's reach (checked by the caller's cache view)."""
+    int64 contiguous, each below the table's reach (checked by the caller's cache view).
+    keep: the rows of x (flat indices b · T + t, strictly ascending) the caller will read, or None for
+    all; the others come back holding no meaningful values (the last layer skips them after writing
+    their keys and values)."""
     b, t, _ = x.shape
+    if keep is not None:
+        keep = keep.to(torch.int64).contiguous()
+        if keep.dim() != 1 or (keep.numel() and (int(keep[0]) < 0 or int(keep[-1]) >= b * t
+                                                 or not bool((keep[1:] > keep[:-1]).all()))):
+            raise ValueError(f"decoder pass: keep must hold strictly ascending row indices below {b * t}")
     if lib.verispec_decoder(x.data_ptr(), ctypes.addressof(weights), ctypes.addressof(dims), cos.data_ptr(),
                             sin.data_ptr(), positions.data_ptr(), b, t, layout.k.data_ptr(), layout.v.data_ptr(),
                             layout.layer_stride, layout.tables.data_ptr(), layout.tables.shape[1], layout.block,
@@ -390,5 +399,8 @@ def _decoder(lib, x: torch.Tensor, weights, dims: DecoderDims, cos: torch.Tensor
                             layout.ks.data_ptr() if layout.ks is not None else None,
                             layout.vs.data_ptr() if layout.vs is not None else None,
                             layout.sc_layer_stride, layout.sc_block_stride, layout.sc_head_stride, layout.group,
-                            int(layout.k.dtype == torch.bfloat16), torch.get_num_threads()):
+                            int(layout.k.dtype == torch.bfloat16),
+                            keep.data_ptr() if keep is not None and keep.numel() else None,
+                            keep.numel() if keep is not None else -1,
+                            torch.get_num_threads()):
         raise MemoryError("decoder pass: no memory for its buffers")

@@ -167,12 +167,17 @@ static void qkv_post_ws(float *qkv, const float *bias, const float *cos, const f
     }
 }
 
-/* Returns 0, or -1 when the scratch buffers cannot be allocated. */
+/* keep (nkeep row indices into the R rows, strictly ascending; nkeep < 0 for all rows): the rows whose
+   hidden states the caller reads. A prefill piece needs only its keys and values, which every layer
+   writes before its attention, so the last layer's o_proj and MLP run on the kept rows alone (each
+   the same operations as in a full pass: row-exact); the other rows of x then hold no meaningful
+   values. The caller checks the indices (kernels._decoder).
+   Returns 0, or -1 when the scratch buffers cannot be allocated. */
 int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, const float *cos, const float *sin,
                      const int64_t *pos, long B, long T, void *kstore, void *vstore, long layer_stride,
                      const int64_t *tables, long nb, long bs, long blk_stride, long head_stride,
                      float *kscale, float *vscale, long sc_layer_stride, long sc_blk_stride, long sc_head_stride,
-                     long sg, int bf16, int threads) {
+                     long sg, int bf16, const int64_t *keep, long nkeep, int threads) {
     bf16 = bf16 && !kscale;
     size_t esize = (size_t)kv_esize(kscale != NULL, bf16);
     long R = B * T, C = dm->C, H = dm->H, Hkv = dm->Hkv, D = dm->D, I = dm->I;
@@ -202,8 +207,18 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
             qkv_post_ws(qkv + r0 * QW, w->qkv_bias, cos + r0 * D, sin + r0 * D, pos + r0, &kv, r0, n, T, H, Hkv, D);
         }
         vs_attend_ws(qkv, QW, &kv, pos, att, B, H, Hkv, T, D, dm->scale, scratch, SP);
-        for (long r0 = 0; r0 < R; r0 += RC) {                  /* then each row's own steps, chunk by chunk */
-            long n = R - r0 < RC ? R - r0 : RC;
+        long RL = R;                                           /* rows that go on past the attention */
+        if (nkeep >= 0 && l == dm->layers - 1) {               /* the last layer: only the rows kept */
+#pragma omp single
+            for (long i = 0; i < nkeep; i++)                   /* keep[i] >= i: moves towards the front */
+                if (keep[i] != i) {
+                    memmove(x + i * C, x + keep[i] * C, sizeof(float) * C);
+                    memmove(att + i * H * D, att + keep[i] * H * D, sizeof(float) * H * D);
+                }
+            RL = nkeep;
+        }
+        for (long r0 = 0; r0 < RL; r0 += RC) {                 /* then each row's own steps, chunk by chunk */
+            long n = RL - r0 < RC ? RL - r0 : RC;
             float *xr = x + r0 * C, *xnr = xn + r0 * C, *tr = tmp + r0 * C;
             linear_ws(&w->o, att + r0 * H * D, qx, sx, tr, n, C, H * D);
             add_rows_ws(xr, tr, n, C);
@@ -212,6 +227,11 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
             silu_mul_ws(gu, act, n, I);
             linear_ws(&w->down, act, qx, sx, tr, n, C, I);
             add_rows_ws(xr, tr, n, C);
+        }
+        if (RL < R) {
+#pragma omp single
+            for (long i = nkeep - 1; i >= 0; i--)              /* back to their rows, the last first */
+                if (keep[i] != i) memcpy(x + keep[i] * C, x + i * C, sizeof(float) * C);
         }
     }
     free(arena);

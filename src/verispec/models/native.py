@@ -83,15 +83,18 @@ class NativeDecoder:
                 return None
         return cls(model)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CacheView) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CacheView,
+                 keep: torch.Tensor | None = None) -> torch.Tensor | None:
         """x (B, T, C) float32 embeddings, cos/sin (B, 1, T, D) -> hidden states (B, T, C) before the final
-        norm, or None when the cache cannot be read in place (the caller runs the torch layers)."""
+        norm, or None when the cache cannot be read in place (the caller runs the torch layers).
+        keep: the flat rows (b · T + t, ascending) whose states the caller reads, or None for all; only
+        those are meaningful in the result (see `Transformer.forward`)."""
         layout = cache.layout()
         if layout is None:
             return None
         x = x.contiguous()
         cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()              # (B, T, D)
-        kernels.decoder(x, self.weights, self.dims, cos, sin, cache.positions.contiguous(), layout)
+        kernels.decoder(x, self.weights, self.dims, cos, sin, cache.positions.contiguous(), layout, keep)
         return x
 
 

@@ -58,7 +58,9 @@ class ModelRunner:
             real = torch.arange(t)[None, :] < torch.tensor([len(c) for c in chunks])[:, None]     # (B, T)
             top = int(positions[real].max()) + 1
             positions = torch.where(real, positions, top + torch.arange(t)[None, :])
-        hidden = self.model(ids.to(device), positions.to(device), self.cache.view(slots, positions.to(device)))
+        read = sorted({i * t + j for i, x in enumerate(rows or []) for j in x})     # the rows gathered below
+        hidden = self.model(ids.to(device), positions.to(device), self.cache.view(slots, positions.to(device)),
+                            keep=torch.tensor(read, dtype=torch.long))
         if rows is None:
             return None
         r = max(len(x) for x in rows)

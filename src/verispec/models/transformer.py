@@ -200,15 +200,21 @@ class Transformer(nn.Module):
         return self.model.norm.weight.device
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: CacheView) -> torch.Tensor:
-        """input_ids, positions: (B, T) -> hidden states (B, T, C) before the final norm."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: CacheView,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: (B, T) -> hidden states (B, T, C) before the final norm.
+
+        keep: the rows the caller will read, as flat indices b · T + t in ascending order (empty for a
+        prefill piece, which only writes the cache), or None for all. Every row's keys and values are
+        written either way; the native pass then runs the last layer's o_proj and MLP on the kept rows
+        alone (each computed as in a full pass), and the other rows of the result are meaningless."""
         if positions.shape != input_ids.shape or input_ids.dim() != 2:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
                              "must both be (B, T)")
         x = self.model.embed_tokens(input_ids)                                 # (B, T, C)
         cos, sin = self.rotary(positions, x.dtype)
         if input_ids.shape[1] <= ROW_EXACT_MAX_T and (native := self._native_decoder()) is not None:
-            out = native(x, cos, sin, cache)
+            out = native(x, cos, sin, cache, keep)
             if out is not None:
                 return out
         for block in self.model.layers:
