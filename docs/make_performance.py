@@ -94,11 +94,9 @@ def suite_section(bench: dict | None) -> list[str]:
         return out + missing("speedup per mode and category", "bash docs/reproduce.sh")
     out += [f"Command: `{command_line(bench)}`  ", f"Environment: {env_line(bench)}. "
             f"Report with every column: [bench-suite.md](results/bench-suite.md).", "",
-            "`hybrid+head` drafts with the EAGLE-style head that shipped with the package when this run was "
-            "made — the first one; the head shipped now (trained twice as long on twice the data) has its own "
-            "run, against `hybrid` in the same process: [bench-eagle.md](results/bench-eagle.md), "
-            "[HEADS.md](HEADS.md); `draft` and `hybrid` with the 0.5B in its default format (int4-all) and "
-            "vocabulary (32,768 tokens).", "",
+            "`hybrid+head` drafts with the EAGLE-style head that ships with the package (its own runs: "
+            "[bench-eagle.md](results/bench-eagle.md), [HEADS.md](HEADS.md)); `draft` and `hybrid` with the "
+            "0.5B in its default format (int4-all) and vocabulary (32,768 tokens).", "",
             f"Speedup = median over the {repeats(bench)} repeat(s) of tokens/s ÷ plain tokens/s on the same prompts "
             "in the same repeat (modes interleaved prompt by prompt, prefill included); decode = the same ratio "
             "over the decode phase alone, as llama.cpp reports its eval speed (the tokens after the first round "
