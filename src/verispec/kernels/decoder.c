@@ -169,9 +169,10 @@ static void qkv_post_ws(float *qkv, const float *bias, const float *cos, const f
 
 /* keep (nkeep row indices into the R rows, strictly ascending; nkeep < 0 for all rows): the rows whose
    hidden states the caller reads. A prefill piece needs only its keys and values, which every layer
-   writes before its attention, so the last layer's o_proj and MLP run on the kept rows alone (each
-   the same operations as in a full pass: row-exact); the other rows of x then hold no meaningful
-   values. The caller checks the indices (kernels._decoder).
+   writes before its attention, so the last layer's o_proj and MLP run on the kept rows alone, each
+   the same operations as in a full pass (row-exact), and its attention not at all when none is kept;
+   the other rows of x then hold no meaningful values. The caller checks the indices
+   (kernels._decoder).
    Returns 0, or -1 when the scratch buffers cannot be allocated. */
 int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, const float *cos, const float *sin,
                      const int64_t *pos, long B, long T, void *kstore, void *vstore, long layer_stride,
@@ -206,7 +207,8 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
             linear_ws(&w->qkv, xn + r0 * C, qx, sx, qkv + r0 * QW, n, QW, C);
             qkv_post_ws(qkv + r0 * QW, w->qkv_bias, cos + r0 * D, sin + r0 * D, pos + r0, &kv, r0, n, T, H, Hkv, D);
         }
-        vs_attend_ws(qkv, QW, &kv, pos, att, B, H, Hkv, T, D, dm->scale, scratch, SP);
+        if (nkeep != 0 || l != dm->layers - 1)                /* no row kept: the last attention unread */
+            vs_attend_ws(qkv, QW, &kv, pos, att, B, H, Hkv, T, D, dm->scale, scratch, SP);
         long RL = R;                                           /* rows that go on past the attention */
         if (nkeep >= 0 && l == dm->layers - 1) {               /* the last layer: only the rows kept */
 #pragma omp single
