@@ -59,8 +59,9 @@ class ModelRunner:
             top = int(positions[real].max()) + 1
             positions = torch.where(real, positions, top + torch.arange(t)[None, :])
         read = sorted({i * t + j for i, x in enumerate(rows or []) for j in x})     # the rows gathered below
+        keep = None if len(read) == b * t else torch.tensor(read, dtype=torch.long)  # a verify pass reads all
         hidden = self.model(ids.to(device), positions.to(device), self.cache.view(slots, positions.to(device)),
-                            keep=torch.tensor(read, dtype=torch.long))
+                            keep=keep)
         if rows is None:
             return None
         r = max(len(x) for x in rows)

@@ -207,7 +207,8 @@ class Transformer(nn.Module):
         keep: the rows the caller will read, as flat indices b · T + t in ascending order (empty for a
         prefill piece, which only writes the cache), or None for all. Every row's keys and values are
         written either way; the native pass then runs the last layer's o_proj and MLP on the kept rows
-        alone (each computed as in a full pass), and the other rows of the result are meaningless."""
+        alone (each computed as in a full pass; with none kept, not that layer's attention either), and
+        the other rows of the result are meaningless. The torch layers compute every row."""
         if positions.shape != input_ids.shape or input_ids.dim() != 2:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
                              "must both be (B, T)")
