@@ -450,7 +450,7 @@ def verify_section(report: dict | None, current: dict | None = None) -> list[str
 
 
 # Other machine kinds: the same measurements in docs/results/<kind>/, rendered with the same sections.
-OTHER_KINDS = {"avx2": "An AVX2-only machine"}
+OTHER_KINDS = {"avx2": "An AVX2-only machine", "zen1": "A Zen/Zen+ EPYC: AVX2 on 128-bit units"}
 
 
 def for_kind(lines: list[str], kind: str) -> list[str]:
@@ -470,7 +470,7 @@ def kind_section(kind: str, title: str) -> list[str]:
     if not found:
         return []
     out = [f"## {title}", "",
-           f"The same commands on the other machine kind, results in `docs/results/{kind}/` (each section names "
+           f"The same commands on another machine kind, results in `docs/results/{kind}/` (each section names "
            "its CPU, vector extensions and kernel build). Ratios compare programs measured in the same run on "
            "that machine; absolute figures do not compare with the sections above.", ""]
     for fn, result in found:
@@ -484,8 +484,8 @@ def main() -> None:
            "by hand. `bash docs/reproduce.sh` reruns every measurement (about an hour and a half on the reference "
            "machine) and then this script. The history of changes and what each did is in "
            "[PERFORMANCE_LOG.md](PERFORMANCE_LOG.md).", "",
-           "Machines: 2 cores, 24 GiB, no GPU, 2 threads — either a Zen 2/Zen 3 EPYC with AVX2 only (last section) "
-           "or a Zen 4 EPYC with AVX-512 VNNI (the reference); every section names the CPU, its vector extensions and the kernel build that "
+           "Machines: 2 cores, 24 GiB, no GPU, 2 threads — a Zen 4 EPYC with AVX-512 VNNI (the reference), a Zen 2 "
+           "EPYC with AVX2 only, or a Zen/Zen+ EPYC whose AVX2 runs on 128-bit units (the last two sections); every section names the CPU, its vector extensions and the kernel build that "
            "made it, and sections measured on another machine kind or an earlier build say so. Timings on "
            "shared machines are noisy: compare ratios measured in one run, not absolute times across runs.", ""]
     suite = load("bench-suite.json")

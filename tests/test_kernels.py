@@ -584,6 +584,21 @@ def test_every_variant_gives_the_same_matmul_bits():
         torch.testing.assert_close(other.attend_rows(q, kv, kv * 0.5, positions, 0.1), first, rtol=1e-5, atol=1e-6)
 
 
+def test_results_files_name_the_cpu_core_a_virtual_machine_hides():
+    """'AMD EPYC' is all a virtual machine's model name may say; family and model tell a Zen/Zen+ (one 256-bit
+    integer multiply every other cycle) from a Zen 2 or Zen 4."""
+    block = "processor\t: {n}\nvendor_id\t: {v}\ncpu family\t: {f}\nmodel\t\t: {m}\nmodel name\t: AMD EPYC\n"
+    two = lambda v, f, m, f2=None: block.format(n=0, v=v, f=f, m=m) + "\n" + block.format(n=1, v=v, f=f2 or f, m=m)
+    assert kernels.cpu_core(two("AuthenticAMD", 23, 1, f2=25)) == "AMD family 23 model 1 (Zen/Zen+)"
+    assert kernels.cpu_core(two("AuthenticAMD", 23, 49)) == "AMD family 23 model 49 (Zen 2)"
+    assert kernels.cpu_core(two("AuthenticAMD", 25, 1)) == "AMD family 25 model 1 (Zen 3)"
+    assert kernels.cpu_core(two("AuthenticAMD", 25, 17)) == "AMD family 25 model 17 (Zen 4)"
+    assert kernels.cpu_core(two("GenuineIntel", 6, 143)) == "Intel family 6 model 143"
+    assert kernels.cpu_core("processor\t: 0\nmodel name\t: ARMv8\n") == ""
+    assert kernels.cpu_core(two("AuthenticAMD", "x", 1)) == ""
+    assert kernels.machine()["cpu_core"] == kernels._cpu_core()
+
+
 def test_the_best_supported_variant_is_active_and_named():
     if not kernels.available():
         pytest.skip(f"native kernel {kernels.kernel_status()}")

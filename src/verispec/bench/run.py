@@ -285,13 +285,14 @@ def format_table(result: dict) -> str:
 
 
 def machine_line(env: dict) -> str:
-    """'CPU <model> (<vector extensions>), kernel: <status>' from an environment record (older records
-    name only the kernel)."""
+    """'CPU <model>, <core> (<vector extensions>), kernel: <status>' from an environment record (older
+    records name no core, or only the kernel)."""
     kernel = env.get("kernel", env.get("int8_kernel", "torch"))
     kv = f", KV cache {env['kv_cache']}" if "kv_cache" in env else ""
     if "cpu_model" not in env:
         return f"kernel: {kernel}{kv}"
-    return f"CPU {env['cpu_model']} ({' '.join(env.get('cpu_flags', [])) or 'no AVX2'}), kernel: {kernel}{kv}"
+    core = f", {env['cpu_core']}" if env.get("cpu_core") else ""
+    return f"CPU {env['cpu_model']}{core} ({' '.join(env.get('cpu_flags', [])) or 'no AVX2'}), kernel: {kernel}{kv}"
 
 
 def format_markdown(result: dict) -> str:

@@ -140,7 +140,7 @@ def _calibrated(key: str, measure) -> dict:
     from verispec.kernels import machine
 
     info = machine()
-    full_key = "|".join([key, info["cpu_model"], info["kernel"], info["kernel_build"] or "-",
+    full_key = "|".join([key, info["cpu_model"], info["cpu_core"], info["kernel"], info["kernel_build"] or "-",
                          f"{torch.get_num_threads()} threads"])
     path = cache_dir() / "calibration.json"
     try:

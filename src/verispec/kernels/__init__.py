@@ -88,11 +88,47 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
     return model, flags
 
 
+# AMD cores by (family, first model, last model): a virtual machine's model name often says only "AMD
+# EPYC", while a Zen/Zen+ core does one 256-bit integer multiply every other cycle and a Zen 2 every cycle.
+AMD_CORES = ((23, 0x00, 0x2F, "Zen/Zen+"), (23, 0x30, 0xAF, "Zen 2"), (25, 0x00, 0x0F, "Zen 3"),
+             (25, 0x10, 0x1F, "Zen 4"), (25, 0x20, 0x5F, "Zen 3"), (25, 0x60, 0xAF, "Zen 4"),
+             (26, 0x00, 0xFF, "Zen 5"))
+
+
+def cpu_core(text: str) -> str:
+    """'<vendor> family F model M' from /proc/cpuinfo's text, with the core's name for AMD's Zen
+    families ('AMD family 23 model 1 (Zen/Zen+)'); '' when the text does not say."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep and fields:
+            break                                            # the first CPU's block ends at a blank line
+        fields.setdefault(key.strip(), value.strip())
+    vendor = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(fields.get("vendor_id", ""),
+                                                                  fields.get("vendor_id", ""))
+    try:
+        family, model = int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
+        return ""
+    name = next((n for f, lo, hi, n in AMD_CORES if vendor == "AMD" and f == family and lo <= model <= hi), "")
+    return f"{vendor} family {family} model {model}" + (f" ({name})" if name else "")
+
+
+@lru_cache(maxsize=1)
+def _cpu_core() -> str:
+    try:
+        return cpu_core(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return ""
+
+
 def machine() -> dict:
-    """The CPU model, its vector extensions and the kernel variant (and build) in use, for results files."""
+    """The CPU model and core, its vector extensions and the kernel variant (and build) in use, for results
+    files."""
     model, flags = _cpuinfo()
     lib = _load()
-    return {"cpu_model": model, "cpu_flags": [f for f in ISA_FLAGS if f in flags], "kernel": _status,
+    return {"cpu_model": model, "cpu_core": _cpu_core(), "cpu_flags": [f for f in ISA_FLAGS if f in flags],
+            "kernel": _status,
             "kernel_variant": None if lib is None else lib.variant,
             "kernel_build": None if lib is None else lib.build}
 
