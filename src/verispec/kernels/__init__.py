@@ -70,22 +70,32 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq
              "avx512_bf16", "amx_int8")
 
 
-@lru_cache(maxsize=1)
-def _cpuinfo() -> tuple[str, frozenset[str]]:
-    """(model name, flags) of the first CPU in /proc/cpuinfo; ('', {}) where there is none."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine(), frozenset()
-    model, flags = "", frozenset()
+def _first_cpu(text: str) -> dict[str, str]:
+    """The fields of the first CPU's block of /proc/cpuinfo's text (it ends at the first blank line)."""
+    fields: dict[str, str] = {}
     for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not model:
-            model = value.strip()
-        elif key == "flags" and not flags:
-            flags = frozenset(value.split())
-    return model, flags
+        key, sep, value = line.partition(":")
+        if not sep and fields:
+            break
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+@lru_cache(maxsize=1)
+def _cpu_fields() -> dict[str, str] | None:
+    """The first CPU's fields of /proc/cpuinfo, read once; None where there is no such file."""
+    try:
+        return _first_cpu(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return None
+
+
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """(model name, flags) of the first CPU in /proc/cpuinfo; ('', {}) where it names none."""
+    fields = _cpu_fields()
+    if fields is None:
+        return platform.processor() or platform.machine(), frozenset()
+    return fields.get("model name", ""), frozenset(fields.get("flags", "").split())
 
 
 # AMD cores by (family, first model, last model): a virtual machine's model name often says only "AMD
@@ -98,14 +108,12 @@ AMD_CORES = ((23, 0x00, 0x2F, "Zen/Zen+"), (23, 0x30, 0xAF, "Zen 2"), (25, 0x00,
 def cpu_core(text: str) -> str:
     """'<vendor> family F model M' from /proc/cpuinfo's text, with the core's name for AMD's Zen
     families ('AMD family 23 model 1 (Zen/Zen+)'); '' when the text does not say."""
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if not sep and fields:
-            break                                            # the first CPU's block ends at a blank line
-        fields.setdefault(key.strip(), value.strip())
-    vendor = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(fields.get("vendor_id", ""),
-                                                                  fields.get("vendor_id", ""))
+    return _core_name(_first_cpu(text))
+
+
+def _core_name(fields: dict[str, str]) -> str:
+    vendor = fields.get("vendor_id", "")
+    vendor = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(vendor, vendor)
     try:
         family, model = int(fields["cpu family"]), int(fields["model"])
     except (KeyError, ValueError):
@@ -114,21 +122,13 @@ def cpu_core(text: str) -> str:
     return f"{vendor} family {family} model {model}" + (f" ({name})" if name else "")
 
 
-@lru_cache(maxsize=1)
-def _cpu_core() -> str:
-    try:
-        return cpu_core(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return ""
-
-
 def machine() -> dict:
     """The CPU model and core, its vector extensions and the kernel variant (and build) in use, for results
     files."""
     model, flags = _cpuinfo()
     lib = _load()
-    return {"cpu_model": model, "cpu_core": _cpu_core(), "cpu_flags": [f for f in ISA_FLAGS if f in flags],
-            "kernel": _status,
+    return {"cpu_model": model, "cpu_core": _core_name(_cpu_fields() or {}),
+            "cpu_flags": [f for f in ISA_FLAGS if f in flags], "kernel": _status,
             "kernel_variant": None if lib is None else lib.variant,
             "kernel_build": None if lib is None else lib.build}
 
