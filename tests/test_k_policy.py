@@ -47,6 +47,26 @@ def test_cost_model_measures_and_extrapolates():
     assert c.c_q("draft") == pytest.approx(0.05, rel=1e-3)
 
 
+def test_width_costs_read_from_the_curve_follow_every_new_measurement():
+    """Widths' costs are kept as a curve for speed (choosing K prices ~65 widths several times a
+    round); a width measured for the first time, or learned further, must reshape it at once:
+    interpolation below it and extrapolation beyond it, as derived afresh."""
+    c = CostModel()
+    c.record_verify(1, 0.10)
+    c.record_verify(5, 0.30)                  # ratio 3: widths 2 … 4 interpolated, 6 … extrapolated
+    assert c.c_p(3) == pytest.approx(0.20) and c.c_p(7) == pytest.approx(0.30 + 2 * 0.35 * 0.10)
+    c.record_verify(3, 0.12)                  # width 3 measured: cheaper than the line through 1 and 5
+    assert c.c_p(3) == pytest.approx(0.12) and c.c_p(2) == pytest.approx(0.11)
+    assert c.c_p(4) == pytest.approx(0.21)
+    c.record_verify(9, 0.50)                  # beyond the widest: widths 6 … 8 now interpolated
+    assert c.c_p(7) == pytest.approx(0.30 + 0.5 * (0.5 - 0.3))
+    assert c.c_p(12) == pytest.approx(0.50 + 3 * 0.35 * 0.10)
+    c.seed({2: 1.5})                          # a calibration replaces what was learned
+    assert c.c_p(2) == pytest.approx(0.15)
+    price = c.pricer()
+    assert [price(n) for n in range(1, 66)] == [c.c_p(n) for n in range(1, 66)]
+
+
 def test_pass_costs_follow_the_machine_whatever_width_runs():
     """A slow spell while a sequence speculates (only 3-token passes run) raises c_p(1) too: the
     widths are compared at the machine's current speed, not at the speed of their last passes."""

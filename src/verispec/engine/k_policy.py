@@ -30,6 +30,7 @@ cap is the rest of the context.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from verispec.engine.answer_lengths import AnswerLengths
 from verispec.models.transformer import ROW_EXACT_MAX_T
@@ -74,7 +75,15 @@ class StaticCosts:
     c_q: dict[str, float]
     catchup: dict[str, float]
 
+    @cached_property
+    def _curve(self) -> tuple[float, ...]:
+        """_ratio_at by width up to the widest pass K may ask for (choose_k prices them all)."""
+        return tuple(self._ratio_at(n) for n in range(K_MAX + 2))
+
     def c_p(self, n: int) -> float:
+        return self._curve[n] if 1 <= n <= K_MAX + 1 else self._ratio_at(n)
+
+    def _ratio_at(self, n: int) -> float:
         points = ((1, 1.0),) + self.ratios
         for (w0, r0), (w1, r1) in zip(points, points[1:]):
             if n <= w1:
@@ -197,6 +206,10 @@ class CostModel:
     counts: dict[tuple[str, str], int] = field(default_factory=dict)    # (table, source) -> measurements so far
     last_width: dict[int, int] = field(default_factory=dict)            # bucket -> width of its latest pass
     calibrated: set[int] = field(default_factory=set)                   # buckets whose ratios stay as seeded
+    # bucket -> [_, 1.0, ratio(2), ratio(3), …]: _ratio's values by width, filled on demand and dropped
+    # whenever a ratio of the bucket changes. Choosing K prices every width up to K_MAX + 1 several
+    # times a round; derived afresh each time that cost ~0.5 ms of Python per choice.
+    curves: dict[int, list[float]] = field(default_factory=dict, repr=False)
 
     def record_verify(self, width: int, seconds: float, batch: int = 1) -> None:
         bucket = batch_bucket(batch)
@@ -208,7 +221,7 @@ class CostModel:
             self.level[bucket] = (1 - EMA) * level + EMA * seconds / self._ratio(bucket, width)
             return
         if width > 1 and (bucket, width) not in self.ratio:
-            self.ratio[(bucket, width)] = seconds / level     # a width's first pass: its ratio
+            self._set_ratio(bucket, width, seconds / level)     # a width's first pass: its ratio
             self.last_width[bucket] = width
             return
         ratio = self._ratio(bucket, width)
@@ -217,7 +230,7 @@ class CostModel:
         # only. A ratio learns from a pass right after one of another width (the level then reflects
         # the same moment of the machine).
         if width > 1 and self.last_width.get(bucket) != width:
-            self.ratio[(bucket, width)] = (1 - RATIO_EMA) * ratio + RATIO_EMA * seconds / level
+            self._set_ratio(bucket, width, (1 - RATIO_EMA) * ratio + RATIO_EMA * seconds / level)
         self.last_width[bucket] = width
 
     def record_propose(self, source: str, tokens: int, seconds: float) -> None:
@@ -245,16 +258,29 @@ class CostModel:
         bucket = batch_bucket(batch)
         for n, r in ratios.items():
             if n > 1:
-                self.ratio[(bucket, n)] = r
+                self._set_ratio(bucket, n, r)
         if any(n > 1 for n in ratios):
             self.calibrated.add(bucket)
 
+    def _set_ratio(self, bucket: int, width: int, ratio: float) -> None:
+        self.ratio[(bucket, width)] = ratio
+        self.curves.pop(bucket, None)
+
     def _ratio(self, bucket: int, n: int) -> float:
-        """c_p(n) / c_p(1): measured; linear between the nearest measured widths around n; beyond the
-        widest, extended from it with a prior slope (optimistic enough that an unmeasured width gets
-        tried once)."""
-        if n == 1:
-            return 1.0
+        """c_p(n) / c_p(1) (_ratio_at), from the bucket's curve."""
+        if n < 2:
+            return 1.0 if n == 1 else self._ratio_at(bucket, n)
+        curve = self.curves.get(bucket)
+        if curve is None:
+            curve = self.curves[bucket] = [1.0, 1.0]       # by width (0 unused)
+        while len(curve) <= n:
+            curve.append(self._ratio_at(bucket, len(curve)))
+        return curve[n]
+
+    def _ratio_at(self, bucket: int, n: int) -> float:
+        """c_p(n) / c_p(1) for n ≠ 1: measured; linear between the nearest measured widths around n;
+        beyond the widest, extended from it with a prior slope (optimistic enough that an unmeasured
+        width gets tried once). Widths below n are read from the curve, which holds them by now."""
         if (bucket, n) in self.ratio:
             return self.ratio[(bucket, n)]
         widths = [w for b, w in self.ratio if b == bucket]
@@ -269,6 +295,15 @@ class CostModel:
     def c_p(self, n: int, batch: int = 1) -> float:
         bucket = batch_bucket(batch)
         return self.level.get(bucket, 1.0) * self._ratio(bucket, n)   # unit-less before any measurement
+
+    def pricer(self, batch: int = 1):
+        """c_p(·, batch) for one decision, the same values: the level read once and widths up to
+        K_MAX + 1 from the curve (choosing K prices all of them)."""
+        bucket = batch_bucket(batch)
+        level = self.level.get(bucket, 1.0)
+        self._ratio(bucket, K_MAX + 1)                  # the curve now covers every width K may ask for
+        curve = self.curves[bucket]
+        return lambda n: level * curve[n] if 1 <= n <= K_MAX + 1 else level * self._ratio(bucket, n)
 
     def seed_propose(self, source: str, ratio: float) -> None:
         """A calibrated proposal cost, as a fraction of c_p(1) (engine/calibrate.py): the prior until
@@ -406,7 +441,7 @@ class KPolicy:
         if reproducible:
             name = source.split(":")[0]
             return self.static.c_p, self.static.c_q.get(name, 0.0), self.static.catchup.get(name, 0.0)
-        return (lambda n: self.costs.c_p(n, batch)), self.costs.c_q(source), self.costs.c_catchup(source)
+        return self.costs.pricer(batch), self.costs.c_q(source), self.costs.c_catchup(source)
 
     def _best_k(self, rates: list[float], c_p, c_q: float, per_token: float, cap: int, backlog: int,
                 horizon: float) -> int:
@@ -556,17 +591,18 @@ class KPolicy:
             return ks
         ests = [self._estimate(seqs[i].slot, sources[i], seqs[i].params.greedy) for i in joint]
         c_q = max(self.costs.c_q(sources[i]) for i in joint)
-        best_k, best = 0, len(joint) / self.costs.c_p(1, batch) * (1 + MARGIN)
+        c_p = self.costs.pricer(batch)
+        best_k, best = 0, len(joint) / c_p(1) * (1 + MARGIN)
         caps = [min(self.k_max, max(0, remaining[i] - 1)) for i in joint]
         tables = [cumulative_expected(e.rates, cap) for e, cap in zip(ests, caps)]    # E(0 … cap) per sequence
         for k in range(1, self.k_max + 1):
-            value = sum(t[min(k, cap)] for t, cap in zip(tables, caps)) / (k * c_q + self.costs.c_p(k + 1, batch))
+            value = sum(t[min(k, cap)] for t, cap in zip(tables, caps)) / (k * c_q + c_p(k + 1))
             if value > best * (1 + 1e-9):
                 best_k, best = k, value
         catchup = sum(backlogs[i] * self.costs.c_catchup(sources[i]) for i in joint)
         if best_k and catchup:
             # Tokens per second with speculation (best) vs without (plain), over all tokens still to come.
-            plain = len(joint) / self.costs.c_p(1, batch)
+            plain = len(joint) / c_p(1)
             if sum(horizons[i] for i in joint) * (1 / plain - 1 / best) <= catchup:
                 best_k = 0
         best_k = ests[0].track(best_k)          # the batch's probing state rides on its first sequence
