@@ -322,10 +322,11 @@ def formats_section(formats: dict | None) -> list[str]:
                      [[fmt, f(e["top1_agreement"], "%.4g"), f(e["mean_kl"], "%.4f"), f(e["tok_s"]),
                        ", ".join(str(x) for x in e["tok_s_runs"]), f"{e['positions_per_gib']:,}"]
                       for fmt, e in kv.items() if isinstance(e, dict)])
+        variant = formats.get("environment", {}).get("kernel_variant") or "?"
         out += ["", "The native pass reads and writes all three in place. Over a bfloat16 cache, the `avx512bf16` "
-                "kernels (this machine's) multiply with `vdpbf16ps`, the query and the softmax weights rounded to "
-                "bf16; other CPUs widen the stored values to float32. `auto` is bfloat16 wherever the native "
-                "pass runs.", ""]
+                "kernels multiply with `vdpbf16ps`, the query and the softmax weights rounded to bf16; other "
+                f"kernels widen the stored values to float32 (this machine's: `{variant}`). `auto` is bfloat16 "
+                "wherever the native pass runs.", ""]
     return out
 
 
