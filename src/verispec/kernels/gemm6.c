@@ -97,7 +97,8 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
     }
 #else
 /* One 16-column block for MM rows as two halves of 8 columns (ymm lanes); up to NH6 rows take both
-   halves in one sweep over the groups, more rows one half per sweep (as gemm4.c). */
+   halves in one sweep over the groups, more rows one half per sweep; a super-block's d widened once
+   for its 8 groups (as gemm4.c). */
 #ifndef NH6
 #define NH6 2
 #endif
@@ -112,8 +113,12 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
             __m256 acc[NH][MM];                                                                   \
             for (int h = 0; h < NH; h++)                                                          \
                 for (int m = 0; m < MM; m++) acc[h][m] = _mm256_setzero_ps();                     \
+            __m256 dv[NH];               /* the super-block's d, converted once */               \
             for (long g = 0; g < G; g++) {                                                        \
                 const uint32_t *wb = wp + (b * G + g) * W6;                                      \
+                if (g % 8 == 0)                                                                   \
+                    for (int h = 0; h < NH; h++)                                                  \
+                        dv[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ds + (b * S + g / 8) * 16 + 8 * (h0 + h)))); \
                 if (h0 == 0)                                     /* the second sweep re-reads */  \
                     for (int l = 0; l < 6; l++) _mm_prefetch((const char *)(wb + PF6 * W6 + 16 * l), _MM_HINT_T1); \
                 /* Per half h of the block, the columns' scales as 16-bit pairs: (sc0, sc0) and (sc1, sc1) \
@@ -149,12 +154,11 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
                         }                                                                         \
                     }                                                                             \
                 for (int h = 0; h < NH; h++) {                                                    \
-                    __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ds + (b * S + g / 8) * 16 + 8 * (h0 + h)))); \
                     for (int m = 0; m < MM; m++) {                                                \
                         const int32_t *qm = qs + m * H + 2 * g;   /* |Q| ≤ 16 · 127: a 16-bit pair */ \
                         __m256i qp = _mm256_set1_epi32((int32_t)(((uint32_t)qm[1] << 16) | ((uint32_t)qm[0] & 0xFFFFu))); \
                         __m256i jv = _mm256_sub_epi32(isum[h][m], _mm256_slli_epi32(_mm256_madd_epi16(scq[h], qp), 5)); \
-                        __m256 t = _mm256_mul_ps(dv, _mm256_set1_ps(s8[m * G + g]));              \
+                        __m256 t = _mm256_mul_ps(dv[h], _mm256_set1_ps(s8[m * G + g]));           \
                         acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(jv), t, acc[h][m]);        \
                     }                                                                             \
                 }                                                                                 \
