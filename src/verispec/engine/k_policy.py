@@ -206,9 +206,9 @@ class CostModel:
     counts: dict[tuple[str, str], int] = field(default_factory=dict)    # (table, source) -> measurements so far
     last_width: dict[int, int] = field(default_factory=dict)            # bucket -> width of its latest pass
     calibrated: set[int] = field(default_factory=set)                   # buckets whose ratios stay as seeded
-    # bucket -> [_, 1.0, ratio(2), ratio(3), …]: _ratio's values by width, filled on demand and dropped
-    # whenever a ratio of the bucket changes. Choosing K prices every width up to K_MAX + 1 several
-    # times a round; derived afresh each time that cost ~0.5 ms of Python per choice.
+    # bucket -> [1.0 (width 0, unused), 1.0, ratio(2), ratio(3), …]: _ratio's values by width, filled
+    # on demand and dropped whenever a ratio of the bucket changes. Choosing K prices every width up
+    # to K_MAX + 1 several times a round; derived afresh each time that cost ~0.5 ms of Python per choice.
     curves: dict[int, list[float]] = field(default_factory=dict, repr=False)
 
     def record_verify(self, width: int, seconds: float, batch: int = 1) -> None:
@@ -303,7 +303,7 @@ class CostModel:
         level = self.level.get(bucket, 1.0)
         self._ratio(bucket, K_MAX + 1)                  # the curve now covers every width K may ask for
         curve = self.curves[bucket]
-        return lambda n: level * curve[n] if 1 <= n <= K_MAX + 1 else level * self._ratio(bucket, n)
+        return lambda n: level * curve[n] if 1 <= n < len(curve) else level * self._ratio(bucket, n)
 
     def seed_propose(self, source: str, ratio: float) -> None:
         """A calibrated proposal cost, as a fraction of c_p(1) (engine/calibrate.py): the prior until
