@@ -1,0 +1,145 @@
+"""Recorded greedy answers replayed through prompt lookup and the K policy, each round priced from a
+fixed cost profile: what `auto` would gain on a kind of machine, without a model or a clock.
+
+A greedy answer does not depend on K, so a recorded one settles every round: the proposer drafts
+from the text so far, the drafts are accepted up to the first that differs from the answer, and the
+round adds the answer's next token (recovered or bonus). The policy hears what it hears in the
+engine (sources, drafted and accepted counts, pass costs), so it chooses what the engine chooses:
+on the answers of a bench run this reproduces its K histograms round for round. The cost is the
+profile's c_p(K+1) per round instead of a timing, and plain decoding's is c_p(1) per token, so
+the ratio is the accounted speedup (bench/costs.py) of a run on that kind of machine. Left out:
+token-tree alternatives (the primary chain only) and the first round's riding on the prefill pass
+(it is priced as a pass of its own, which is dearer).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from verispec.engine.k_policy import KPolicy, StaticCosts
+from verispec.engine.metrics import SpecMetrics
+from verispec.engine.params import SamplingParams
+from verispec.engine.sequence import Sequence
+from verispec.errors import VerispecError
+from verispec.proposers.ngram import NgramProposer
+
+
+@dataclass(frozen=True)
+class Answer:
+    id: str
+    category: str
+    prompt_ids: list[int]
+    token_ids: list[int]        # the greedy answer, its stop token left out
+    stop_id: int | None         # the token that ended it; None where it reached its max_tokens
+
+
+@dataclass
+class Replayed:
+    plain: float = 0.0          # c_p(1) units plain decoding spends on the answers' tokens
+    spent: float = 0.0          # c_p(1) units the rounds spend
+    rounds: int = 0
+    speculative: int = 0        # rounds with at least one draft
+    proposed: int = 0
+    accepted: int = 0
+
+    @property
+    def speedup(self) -> float:
+        return self.plain / self.spent if self.spent else 1.0
+
+
+def record(llm, prompts: list, max_tokens: int) -> list[Answer]:
+    """Greedy answers of llm (a verispec.LLM) to bench prompts (suites.BenchPrompt). Decoded past
+    end-of-sequence and cut at the first stop token, so the answer knows which one ended it (a
+    lookup may propose it)."""
+    stops = set(llm.tokenizer.stop_token_ids) if llm.tokenizer is not None else set()
+    outs = llm.generate([p.render(llm) for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    answers = []
+    for p, o in zip(prompts, outs):
+        end = next((i for i, t in enumerate(o.token_ids) if t in stops), None)
+        tokens = list(o.token_ids if end is None else o.token_ids[:end])
+        answers.append(Answer(p.id, p.category, list(o.prompt_token_ids), tokens,
+                              None if end is None else o.token_ids[end]))
+    return [a for a in answers if a.token_ids]
+
+
+def save(answers: list[Answer], path: str | Path) -> None:
+    Path(path).write_text("\n".join(json.dumps(asdict(a)) for a in answers) + "\n")
+
+
+def load(path: str | Path) -> list[Answer]:
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            answer = Answer(str(rec["id"]), str(rec["category"]), [int(t) for t in rec["prompt_ids"]],
+                            [int(t) for t in rec["token_ids"]], None if rec["stop_id"] is None else int(rec["stop_id"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise VerispecError(f"{path}, line {n}: not a recorded answer ({exc})") from None
+        if not answer.prompt_ids or not answer.token_ids:
+            raise VerispecError(f"{path}, line {n}: an answer needs a prompt and at least one token")
+        out.append(answer)
+    return out
+
+
+def replay(answers: list[Answer], costs: StaticCosts, max_tokens: int | None = None, repeats: int = 1,
+           policy: KPolicy | None = None) -> dict[str, Replayed]:
+    """Each answer decoded as a request of max_tokens (default: room for the whole answer) with
+    prompt lookup and `policy` (default: K = auto priced with `costs`), answers one after another as
+    one engine serves them (what the policy learns carries over), `repeats` times over. Per category
+    and "all"."""
+    policy = policy or KPolicy("auto", static=costs)
+    policy.costs.seed(dict(costs.ratios))
+    policy.costs.record_verify(1, 1.0)                  # the level: a 1-token pass costs 1
+    proposer = NgramProposer()
+    out: dict[str, Replayed] = defaultdict(Replayed)
+    for _ in range(repeats):
+        for a in answers:
+            _replay_one(a, max_tokens or len(a.token_ids) + 1, costs, policy, proposer, out[a.category])
+    total = Replayed()
+    for r in list(out.values()):
+        for name in vars(total):
+            setattr(total, name, getattr(total, name) + getattr(r, name))
+    out["all"] = total
+    return dict(out)
+
+
+def _replay_one(a: Answer, max_tokens: int, costs: StaticCosts, policy: KPolicy, proposer: NgramProposer,
+                into: Replayed) -> None:
+    # What the request produces: the answer up to max_tokens, then its stop token if it came first.
+    # An answer recorded up to its own cap ends there, whatever max_tokens allows.
+    text = a.token_ids[:max_tokens]
+    stops = frozenset() if a.stop_id is None or len(a.token_ids) >= max_tokens else frozenset({a.stop_id})
+    text = text + list(stops)
+    seq = Sequence(0, list(a.prompt_ids), SamplingParams(temperature=0, max_tokens=max_tokens), None, 0, stops,
+                   None, SpecMetrics("ngram", "auto"))
+    policy.forget()
+    emitted = 0
+    while not seq.finished and emitted < len(text):
+        k = policy.choose_for(proposer, [seq])[0]
+        proposal = proposer.propose([seq], [k])
+        drafts = proposal.tokens[0, : int(proposal.num_draft[0])].tolist()
+        accepted = 0
+        while accepted < len(drafts) and emitted + accepted < len(text) and drafts[accepted] == text[emitted + accepted]:
+            accepted += 1
+        for token in text[emitted: emitted + accepted + 1]:
+            emitted += 1
+            if seq.append(token) or len(seq.generated) >= max_tokens:
+                break
+        width = len(drafts) + 1
+        policy.costs.record_verify(width, costs.c_p(width))
+        policy.observe(seq.slot, proposal.source[0], len(drafts), accepted)
+        into.rounds += 1
+        into.speculative += bool(drafts)
+        into.proposed += len(drafts)
+        into.accepted += accepted
+        into.spent += costs.c_p(width)
+    into.plain += emitted                                # one 1-token pass per token, the stop token's too
+    proposer.release([seq.slot])
+    policy.forget_slot(seq.slot)
+    policy.finished(len(seq.generated), not seq.finished or seq.finish_reason == "length")

@@ -1,0 +1,88 @@
+"""K = auto on recorded answers (bench/replay.py): greedy answers of the embedded 1.5B to the bundled
+prompts and 10 HumanEval prompts (tests/data/answers.jsonl, tests/data/record_answers.py), replayed
+through prompt lookup and the policy with each kind of machine's pass costs."""
+
+from pathlib import Path
+
+import pytest
+
+from verispec.bench.replay import Answer, load, replay, save
+from verispec.engine import k_policy
+from verispec.engine.k_policy import STATIC_AVX2, STATIC_AVX512, KPolicy, StaticCosts
+from verispec.errors import VerispecError
+
+ANSWERS = Path(__file__).with_name("data") / "answers.jsonl"
+# A Zen/Zen+ EPYC's calibration (docs/results/zen1/profile.json, rounded): every extra row costs about
+# half a 1-row pass, the dearest rows of any machine kind met so far.
+DEAR_ROWS = StaticCosts(((2, 1.47), (3, 2.01), (4, 2.78), (5, 3.4), (6, 3.8), (8, 5.39), (12, 7.48), (16, 10.29)),
+                        {}, {})
+PROFILES = {"avx2": STATIC_AVX2, "avx512": STATIC_AVX512, "dear rows": DEAR_ROWS}
+
+
+@pytest.fixture(scope="module")
+def answers():
+    return load(ANSWERS)
+
+
+def speedups(answers, costs, policy=None):
+    return {cat: r.speedup for cat, r in replay(answers, costs, max_tokens=128, policy=policy).items()}
+
+
+@pytest.mark.parametrize("kind", PROFILES)
+def test_auto_never_costs_much_and_gains_where_answers_repeat_their_prompt(answers, kind):
+    """In no category does `auto` fall more than 5 % below plain decoding, and where answers repeat
+    their prompt (HumanEval: the function's signature and docstring) it gains."""
+    got = speedups(answers, PROFILES[kind])
+    assert min(got.values()) >= 0.95, got
+    assert got["all"] >= 1.05 and got["humaneval"] >= 1.15, got
+
+
+@pytest.mark.parametrize("kind", PROFILES)
+def test_auto_is_as_good_overall_as_the_best_fixed_k(answers, kind):
+    """Overall, `auto` gives at least 97 % of what the best fixed K of 1 … 4 gives on the same answers:
+    its choices are worth what they cost, where rows are nearly free and where they are dear."""
+    best = max(speedups(answers, PROFILES[kind], KPolicy(k))["all"] for k in (1, 2, 3, 4))
+    assert speedups(answers, PROFILES[kind])["all"] >= 0.97 * best
+
+
+def test_the_bar_is_not_met_by_speculating_blindly(answers):
+    """The checks above can fail: a fixed K, or `auto` that speculates without the margin, falls
+    below them where rows are dear."""
+    assert min(speedups(answers, DEAR_ROWS, KPolicy(2)).values()) < 0.95
+    margin = k_policy.MARGIN
+    try:
+        k_policy.MARGIN = -0.3
+        assert min(speedups(answers, DEAR_ROWS).values()) < 0.95
+    finally:
+        k_policy.MARGIN = margin
+
+
+def test_plain_rounds_cost_one_pass_per_token(answers):
+    """K = 0: one 1-token pass per token, the stop token's included — the speedup is exactly 1."""
+    got = replay(answers[:3], STATIC_AVX2, max_tokens=40, policy=KPolicy(0))
+    assert got["all"].speedup == 1.0 and got["all"].proposed == 0
+    assert got["all"].rounds == sum(min(len(a.token_ids), 40) + (a.stop_id is not None and len(a.token_ids) < 40)
+                                    for a in answers[:3])
+
+
+def test_a_copied_answer_is_accepted_whole():
+    """An answer that repeats its prompt's text: lookup drafts it, every draft is accepted, and `auto`
+    takes long rounds."""
+    text = list(range(1000, 1200))
+    a = Answer("copy", "copy", [7, 8, 9] + text + [7, 8, 9], text, 5)
+    got = replay([a], STATIC_AVX512)["copy"]
+    assert got.accepted == got.proposed > 150
+    assert got.rounds < 30 and got.speedup > 5
+
+
+def test_recorded_answers_round_trip_and_bad_files_are_named(tmp_path):
+    a = [Answer("x", "chat", [1, 2, 3], [4, 5], 6), Answer("y", "maths", [1], [2], None)]
+    save(a, tmp_path / "a.jsonl")
+    assert load(tmp_path / "a.jsonl") == a
+    (tmp_path / "bad.jsonl").write_text('{"id": "x", "category": "c", "prompt_ids": [1]}\n')
+    with pytest.raises(VerispecError, match="line 1: not a recorded answer"):
+        load(tmp_path / "bad.jsonl")
+    (tmp_path / "empty.jsonl").write_text('{"id": "x", "category": "c", "prompt_ids": [1], "token_ids": [], '
+                                          '"stop_id": null}\n')
+    with pytest.raises(VerispecError, match="at least one token"):
+        load(tmp_path / "empty.jsonl")
