@@ -366,8 +366,22 @@ def test_speculation_must_beat_plain_decoding_by_the_margin():
 
     c_p = flat(1.0, 0.2)                                      # c_p(2) = 1.2 c_p(1)
     breakeven = 0.2                                           # (1 + a) / 1.2 = 1  <=>  a = 0.2
+    bar = (1 + MARGIN * (1 - 1 / 1.2)) * 1.2 - 1              # MARGIN of the added sixth of the round's cost
+    assert 0.04 < bar - breakeven < 0.06
     assert choose_k([breakeven + 0.02] * 8, c_p, c_q=0.0, k_max=1) == 0          # +1.7 %: not worth it
-    assert choose_k([(1 + 2 * MARGIN) * 1.2 - 1] * 8, c_p, c_q=0.0, k_max=1) == 1  # +10 %: speculate
+    assert choose_k([bar - 0.005] * 8, c_p, c_q=0.0, k_max=1) == 0
+    assert choose_k([bar + 0.005] * 8, c_p, c_q=0.0, k_max=1) == 1
+
+
+def test_where_a_wider_pass_costs_no_more_any_expected_gain_is_taken_and_dear_rows_ask_more():
+    """The margin covers what the estimates' error could lose, which is what the round adds to a
+    plain pass's cost: nothing where rows are free, so even a rarely right source drafts; much where
+    each row costs half a pass."""
+    assert choose_k([0.02] * 8, flat(1.0, 0.0), c_q=0.0, k_max=1) == 1
+    assert choose_k([0.02] * 8, flat(1.0, 0.0), c_q=0.1, k_max=1) == 0         # its own steps cost 10 %
+    dear = flat(1.0, 0.5)                                                      # c_p(2) = 1.5 c_p(1)
+    assert choose_k([0.6] * 8, dear, c_q=0.0, k_max=1) == 0                   # +6.7 %: the bar is 8.3 %
+    assert choose_k([0.65] * 8, dear, c_q=0.0, k_max=1) == 1                  # +10 %
 
 
 def test_calibrated_widths_are_interpolated_and_let_a_long_match_draft_far():

@@ -10,7 +10,7 @@ with E(K) the primary chain's expected tokens (the K policy's estimate), g the t
 alternative has added per round (learned per source, starting from PRIOR_GAIN, what the bundled
 suite measured), and c_p(n, B) the pass cost over B rows of width n as the K policy
 measures it (a row count not measured yet is priced as one sequence of B·n tokens). An
-alternative must beat the chain by the K policy's MARGIN, so a tree that does not pay is not
+alternative must beat the chain by BRANCH_MARGIN, so a tree that does not pay is not
 chosen (no probes: on a 2-core CPU each costs a wider pass and the suite's alternatives never paid).
 
 `branches` = "auto" chooses so; an integer N verifies up to N alternatives whenever there are
@@ -20,13 +20,14 @@ depend on timings (engine/k_policy.py, reproducible).
 
 from __future__ import annotations
 
-from verispec.engine.k_policy import EMA, MARGIN, KPolicy, batch_bucket, expected_tokens
+from verispec.engine.k_policy import EMA, KPolicy, batch_bucket, expected_tokens
 from verispec.engine.sequence import Sequence
 from verispec.proposers.base import Proposal
 
 # Tokens one alternative adds per round before any round measured it: what lookup's alternatives
 # added on the bundled suite (0.16 on summarisation, 0.18 on code; docs/PERFORMANCE_LOG.md).
 PRIOR_GAIN = 0.15
+BRANCH_MARGIN = 0.05      # what a tree must promise over its chain (tokens per second), as a fraction
 PRIOR_WEIGHT = 2.0        # the prior counts as this many rounds
 MAX_ALTERNATIVES = 4      # never more than this many alternatives per sequence
 
@@ -64,7 +65,7 @@ class BranchPolicy:
         def c_p(n: int, b: int) -> float:
             return costs.c_p(n, b) if batch_bucket(b) in costs.level else costs.c_p(n * b, 1)
 
-        best_m, best = 0, e / (k * c_q + c_p(k + 1, rows)) * (1 + MARGIN)
+        best_m, best = 0, e / (k * c_q + c_p(k + 1, rows)) * (1 + BRANCH_MARGIN)
         for m in range(1, available + 1):
             value = (e + m * g) / (k * c_q + c_p(k + 1, rows + m))
             if value > best * (1 + 1e-9):

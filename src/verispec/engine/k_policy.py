@@ -8,8 +8,8 @@ token, c_p(n) one target pass over n tokens. We pick
     K* = argmax_{K ∈ 0 … K_max}  E(K) / (K·c_q + c_p(K+1)),
 
 so K = 0 (plain decoding for that round) wins whenever speculation does not pay — or pays by less
-than MARGIN (5 %), which is inside the error of the estimates themselves. With a constant
-rate a this is the DESIGN formula E = (1 − a^{K+1}) / (1 − a).
+than the estimates' own error could lose, a MARGIN of what the round adds to a plain pass's cost
+(clears_margin). With a constant rate a this is the DESIGN formula E = (1 − a^{K+1}) / (1 − a).
 
 Costs are measured on the fly: c_p(n) as the machine's current level (every pass moves it) times a
 ratio per width — this machine's calibrated ratios, or without a calibration ratios learned slowly
@@ -109,10 +109,21 @@ def static_costs(kernel_variant: str | None) -> StaticCosts:
     return STATIC_AVX512 if kernel_variant and kernel_variant.startswith("avx512") else STATIC_AVX2
 
 
-# Speculate only when the model predicts at least this much more tokens per second than plain
-# decoding: below it the estimate's own error decides (acceptance learned from a few rounds, costs
-# that move ±5 % on a shared machine), and a K > 0 round that does not pay costs a whole wider pass.
-MARGIN = 0.05
+# Speculate only when the model predicts more tokens per second than plain decoding by at least
+# MARGIN of the share of the round's cost that speculation adds (clears_margin). Below it the
+# estimates' own error decides (acceptance learned from a few rounds, costs that move ±5 % on a
+# shared machine), and what such an error can lose is that added share: nothing where a wider pass
+# costs no more than a plain one (AVX-512, up to ~4 rows), ~8 % of a round where each row costs half
+# a pass (a Zen/Zen+), 4 % at c_p(2) = 1.2 c_p(1). A fixed 5 % of the value instead kept K = 0 where
+# rows were free once a short match's estimate fell below 5 %: replayed on 82 recorded answers
+# with AVX-512 costs, 3.6 % of the speedup (bench/replay.py, docs/PERFORMANCE_LOG.md).
+MARGIN = 0.25
+
+
+def clears_margin(value: float, plain: float, c_1: float, cost: float) -> bool:
+    """value (tokens per second of a round costing `cost`) beats plain decoding's rate `plain` (a
+    1-token pass costing c_1) by MARGIN of the share of the round's cost above a plain pass."""
+    return value > plain * (1 + MARGIN * max(0.0, 1 - c_1 / cost))
 
 
 def prior_rate(source: str) -> float:
@@ -146,13 +157,15 @@ def cumulative_expected(rates: list[float], k_max: int) -> list[float]:
 
 def choose_k(rates: list[float], c_p, c_q: float, k_max: int) -> int:
     """argmax over K ∈ 0 … k_max of E(K) / (K·c_q + c_p(K+1)); ties go to the smaller K, and K > 0
-    must beat plain decoding (K = 0) by MARGIN."""
-    plain = 1.0 / c_p(1)
-    best_k, best = 0, plain * (1 + MARGIN)
+    must beat plain decoding (K = 0) by its margin (clears_margin)."""
+    c_1 = c_p(1)
+    plain = 1.0 / c_1
+    best_k, best = 0, plain
     top = min(k_max, len(rates))
     for k, e in enumerate(cumulative_expected(rates, top)[1:], start=1):
-        value = e / (k * c_q + c_p(k + 1))
-        if value > best * (1 + 1e-9):
+        cost = k * c_q + c_p(k + 1)
+        value = e / cost
+        if value > best * (1 + 1e-9) and clears_margin(value, plain, c_1, cost):
             best_k, best = k, value
     return best_k
 
@@ -592,12 +605,14 @@ class KPolicy:
         ests = [self._estimate(seqs[i].slot, sources[i], seqs[i].params.greedy) for i in joint]
         c_q = max(self.costs.c_q(sources[i]) for i in joint)
         c_p = self.costs.pricer(batch)
-        best_k, best = 0, len(joint) / c_p(1) * (1 + MARGIN)
+        c_1 = c_p(1)
+        best_k, best = 0, len(joint) / c_1
         caps = [min(self.k_max, max(0, remaining[i] - 1)) for i in joint]
         tables = [cumulative_expected(e.rates, cap) for e, cap in zip(ests, caps)]    # E(0 … cap) per sequence
         for k in range(1, self.k_max + 1):
-            value = sum(t[min(k, cap)] for t, cap in zip(tables, caps)) / (k * c_q + c_p(k + 1))
-            if value > best * (1 + 1e-9):
+            cost = k * c_q + c_p(k + 1)
+            value = sum(t[min(k, cap)] for t, cap in zip(tables, caps)) / cost
+            if value > best * (1 + 1e-9) and clears_margin(value, len(joint) / c_1, c_1, cost):
                 best_k, best = k, value
         catchup = sum(backlogs[i] * self.costs.c_catchup(sources[i]) for i in joint)
         if best_k and catchup:
