@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from verispec.engine.k_policy import KPolicy, StaticCosts
@@ -101,11 +101,7 @@ def replay(answers: list[Answer], costs: StaticCosts, max_tokens: int | None = N
     for _ in range(repeats):
         for a in answers:
             _replay_one(a, max_tokens or len(a.token_ids) + 1, costs, policy, proposer, out[a.category])
-    total = Replayed()
-    for r in list(out.values()):
-        for name in vars(total):
-            setattr(total, name, getattr(total, name) + getattr(r, name))
-    out["all"] = total
+    out["all"] = Replayed(*(sum(getattr(r, f.name) for r in out.values()) for f in fields(Replayed)))
     return dict(out)
 
 
@@ -113,11 +109,10 @@ def _replay_one(a: Answer, max_tokens: int, costs: StaticCosts, policy: KPolicy,
                 into: Replayed) -> None:
     # What the request produces: the answer up to max_tokens, then its stop token if it came first.
     # An answer recorded up to its own cap ends there, whatever max_tokens allows.
-    text = a.token_ids[:max_tokens]
-    stops = frozenset() if a.stop_id is None or len(a.token_ids) >= max_tokens else frozenset({a.stop_id})
-    text = text + list(stops)
-    seq = Sequence(0, list(a.prompt_ids), SamplingParams(temperature=0, max_tokens=max_tokens), None, 0, stops,
-                   None, SpecMetrics("ngram", "auto"))
+    stop = a.stop_id if a.stop_id is not None and len(a.token_ids) < max_tokens else None
+    text = a.token_ids[:max_tokens] + ([] if stop is None else [stop])
+    seq = Sequence(0, list(a.prompt_ids), SamplingParams(temperature=0, max_tokens=max_tokens), None, 0,
+                   frozenset() if stop is None else frozenset({stop}), None, SpecMetrics("ngram", "auto"))
     policy.forget()
     emitted = 0
     while not seq.finished and emitted < len(text):
@@ -129,7 +124,7 @@ def _replay_one(a: Answer, max_tokens: int, costs: StaticCosts, policy: KPolicy,
             accepted += 1
         for token in text[emitted: emitted + accepted + 1]:
             emitted += 1
-            if seq.append(token) or len(seq.generated) >= max_tokens:
+            if seq.append(token):                       # the stop token, or max_tokens reached
                 break
         width = len(drafts) + 1
         policy.costs.record_verify(width, costs.c_p(width))
