@@ -82,3 +82,8 @@ def test_recorded_answers_round_trip_and_bad_files_are_named(tmp_path):
                                           '"stop_id": null}\n')
     with pytest.raises(VerispecError, match="at least one token"):
         load(tmp_path / "empty.jsonl")
+    with pytest.raises(VerispecError, match="cannot read recorded answers"):
+        load(tmp_path / "missing.jsonl")
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(VerispecError, match="cannot read recorded answers"):
+        load(tmp_path / "binary.jsonl")

@@ -71,8 +71,12 @@ def save(answers: list[Answer], path: str | Path) -> None:
 
 
 def load(path: str | Path) -> list[Answer]:
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise VerispecError(f"cannot read recorded answers {path}: {exc}") from None
     out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
