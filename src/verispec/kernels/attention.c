@@ -746,7 +746,7 @@ static inline long tile_at(const kv_view *kv, const int64_t *table, long s0, lon
         }                                                                                                \
         for (long i = 0; i < nr; i++)                                                                    \
             for (int g = 0; g < G; g++) inv[i * G + g] = softmax_row(w + (i * G + g) * SP, pos[r0 + i]); \
-        const kv_rows vt = {(const char *)tb, NULL, D, 1, 0};          /* the converted value tile */ \
+        const kv_rows vt = {(const char *)tb, NULL, D, 1};          /* the converted value tile */ \
         for (long s0 = 0, n, blk, j0; s0 <= pmax; s0 += n) {                                             \
             n = tile_at(kv, table, s0, pmax, kt, &blk, &j0);                                             \
             if (shared) {                                                                                \

@@ -94,22 +94,31 @@ static void rmsnorm_ws(const float *x, const float *w, float *y, long R, long C,
     for (long r = 0; r < R; r++) rmsnorm_row(x + r * C, w, y + r * C, C, eps);
 }
 
+/* Element-wise steps run over (row, span of SPAN columns) work items, so that a pass of one or two
+   rows keeps every thread busy; an element's operations do not depend on its span (SPAN is a multiple
+   of 8, the vector width, so the same elements take the vector loop and the scalar tail). */
+#define SPAN 512
+
 static void add_rows_ws(float *x, const float *y, long R, long C) {
+    long spans = (C + SPAN - 1) / SPAN;
 #pragma omp for schedule(static)
-    for (long r = 0; r < R; r++)
-        for (long c = 0; c < C; c++) x[r * C + c] += y[r * C + c];
+    for (long it = 0; it < R * spans; it++) {
+        long r = it / spans, c0 = it % spans * SPAN, c1 = c0 + SPAN < C ? c0 + SPAN : C;
+        for (long c = c0; c < c1; c++) x[r * C + c] += y[r * C + c];
+    }
 }
 
 /* act[r, i] = silu(gate[r, i]) · up[r, i] with gu = [gate | up] (R, 2I); silu(x) = x · σ(x), σ from
    e = exp(-|x|): 1 / (1 + e) for x ≥ 0, e / (1 + e) below. */
 static void silu_mul_ws(const float *gu, float *act, long R, long I) {
+    long spans = (I + SPAN - 1) / SPAN;
 #pragma omp for schedule(static)
-    for (long r = 0; r < R; r++) {
+    for (long it = 0; it < R * spans; it++) {
+        long r = it / spans, i = it % spans * SPAN, end = i + SPAN < I ? i + SPAN : I;
         const float *g = gu + r * 2 * I, *u = g + I;
         float *a = act + r * I;
-        long i = 0;
         const __m256 one = _mm256_set1_ps(1.0f), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-        for (; i + 8 <= I; i += 8) {
+        for (; i + 8 <= end; i += 8) {
             __m256 x = _mm256_loadu_ps(g + i);
             __m256 e = exp_neg(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_and_ps(x, absmask)));
             __m256 den = _mm256_add_ps(one, e);
@@ -117,7 +126,7 @@ static void silu_mul_ws(const float *gu, float *act, long R, long I) {
             __m256 sig = _mm256_blendv_ps(neg, pos, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
             _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
         }
-        for (; i < I; i++) {
+        for (; i < end; i++) {
             float x = g[i], e = expf(-fabsf(x)), sig = x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
             a[i] = (x * sig) * u[i];
         }

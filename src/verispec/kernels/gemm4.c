@@ -50,32 +50,32 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
     const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
                                            0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
 #pragma omp for schedule(static)
-    for (long m = 0; m < M; m++)
-        for (long g = 0; g < G; g++) {
-            const float *xg = x + m * K + 32 * g;
-            __m256 a0 = _mm256_loadu_ps(xg), a1 = _mm256_loadu_ps(xg + 8);
-            __m256 a2 = _mm256_loadu_ps(xg + 16), a3 = _mm256_loadu_ps(xg + 24);
-            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(a0, absmask), _mm256_and_ps(a1, absmask)),
-                                      _mm256_max_ps(_mm256_and_ps(a2, absmask), _mm256_and_ps(a3, absmask)));
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_max_ss(h, _mm_movehdup_ps(h));
-            float amax = _mm_cvtss_f32(h);
-            float sum = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-            __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, inv));
-            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, inv));
-            i0 = _mm256_max_epi32(_mm256_min_epi32(i0, lim), nlim);
-            i1 = _mm256_max_epi32(_mm256_min_epi32(i1, lim), nlim);
-            i2 = _mm256_max_epi32(_mm256_min_epi32(i2, lim), nlim);
-            i3 = _mm256_max_epi32(_mm256_min_epi32(i3, lim), nlim);
-            /* packs work within 128-bit halves: dwords come out as x0-3, x8-11, x16-19, x24-27, x4-7, … */
-            __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-            b = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(b, dwords), order);
-            _mm256_storeu_si256((__m256i *)(q8 + m * K + 32 * g), b);
-            s8[m * G + g] = amax / 127.0f;
-            xsum[m * G + g] = sum;
-        }
+    for (long it = 0; it < M * G; it++) {              /* by (row, group): one row keeps every thread busy */
+        long m = it / G, g = it % G;
+        const float *xg = x + m * K + 32 * g;
+        __m256 a0 = _mm256_loadu_ps(xg), a1 = _mm256_loadu_ps(xg + 8);
+        __m256 a2 = _mm256_loadu_ps(xg + 16), a3 = _mm256_loadu_ps(xg + 24);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(a0, absmask), _mm256_and_ps(a1, absmask)),
+                                  _mm256_max_ps(_mm256_and_ps(a2, absmask), _mm256_and_ps(a3, absmask)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float amax = _mm_cvtss_f32(h);
+        float sum = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, inv));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, inv));
+        i0 = _mm256_max_epi32(_mm256_min_epi32(i0, lim), nlim);
+        i1 = _mm256_max_epi32(_mm256_min_epi32(i1, lim), nlim);
+        i2 = _mm256_max_epi32(_mm256_min_epi32(i2, lim), nlim);
+        i3 = _mm256_max_epi32(_mm256_min_epi32(i3, lim), nlim);
+        /* packs work within 128-bit halves: dwords come out as x0-3, x8-11, x16-19, x24-27, x4-7, … */
+        __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        b = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(b, dwords), order);
+        _mm256_storeu_si256((__m256i *)(q8 + m * K + 32 * g), b);
+        s8[m * G + g] = amax / 127.0f;
+        xsum[m * G + g] = sum;
+    }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)

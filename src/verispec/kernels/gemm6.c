@@ -41,12 +41,11 @@
 /* q8 (M, K) int8 -> qs (M, K/16) int32: each half-group's sum (Q8_ORDER permutes within each 8 only). */
 void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
 #pragma omp for schedule(static)
-    for (long m = 0; m < M; m++)
-        for (long h = 0; h < K / 16; h++) {
-            int32_t s = 0;
-            for (int t = 0; t < 16; t++) s += q8[m * K + 16 * h + t];
-            qs[m * (K / 16) + h] = s;
-        }
+    for (long it = 0; it < M * (K / 16); it++) {       /* by (row, 16 values): one row keeps every thread busy */
+        int32_t s = 0;
+        for (int t = 0; t < 16; t++) s += q8[16 * it + t];
+        qs[it] = s;
+    }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
