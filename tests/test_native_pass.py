@@ -190,8 +190,8 @@ def test_a_row_dependent_pass_is_caught_by_the_identity_test(monkeypatch):
     plain = [o.token_ids for o in LLM(target, proposer="none").generate(prompts, params)]
     honest = NativeDecoder.__call__
 
-    def broken(self, x, cos, sin, cache, keep=None):
-        out = honest(self, x, cos, sin, cache, keep)
+    def broken(self, x, rotary, cache, keep=None):
+        out = honest(self, x, rotary, cache, keep)
         return out if out is None or out.shape[1] == 1 else out * (1 + 0.5 * torch.randn(out.shape[-1]))
 
     monkeypatch.setattr(NativeDecoder, "__call__", broken)
@@ -210,6 +210,24 @@ def test_a_pass_whose_positions_do_not_match_its_tokens_is_refused(native):
         model(ids, positions, cache.view([0], positions))
     assert cache.k.abs().sum() == 0                                          # nothing written
 
+
+def test_a_position_past_the_rotary_table_is_refused_before_anything_is_written():
+    """The kernel reads each row's angles at its position: a table too short for one is an error, with
+    the hidden states and the cache untouched."""
+    model = int8_model()
+    decoder = NativeDecoder.build(model)
+    cache = KVCache.for_model(model.config, 1, 64, torch.float32)
+    positions = torch.arange(10, 14)[None]
+    x = model.model.embed_tokens(torch.tensor([[3, 1, 4, 1]]))
+    before = x.clone()
+    cos, sin = model.rotary.table(positions)
+    with pytest.raises(IndexError, match="rotary table"):
+        kernels.decoder(x, decoder.weights, decoder.dims, cos[:12].contiguous(), sin[:12].contiguous(), positions,
+                        cache.view([0], positions).layout())
+    assert torch.equal(x, before) and cache.k.abs().sum() == 0
+    with pytest.raises(ValueError, match="tables"):
+        kernels.decoder(x, decoder.weights, decoder.dims, cos[:, :-1], sin, positions,
+                        cache.view([0], positions).layout())
 
 def test_models_that_do_not_qualify_keep_the_torch_layers():
     assert NativeDecoder.build(tiny_model(0)) is None                         # fp32 weights
@@ -233,10 +251,9 @@ def test_every_kernel_variant_gives_the_same_native_pass():
         advance(cache, [1], [list(range(1, 21))])
         positions = torch.arange(20, 24)[None]
         x = model.model.embed_tokens(torch.tensor([[3, 1, 4, 1]]))
-        cos, sin = model.rotary(positions, x.dtype)
+        cos, sin = model.rotary.table(positions)                                # (P, D) each
         view = cache.view([1], positions)
-        kernels.load_variant(name).decoder(x, decoder.weights, decoder.dims, cos[:, 0].contiguous(),
-                                           sin[:, 0].contiguous(), positions, view.layout())
+        kernels.load_variant(name).decoder(x, decoder.weights, decoder.dims, cos, sin, positions, view.layout())
         outs.append((x, cache.k.clone()))
     for x, k in outs[1:]:
         torch.testing.assert_close(x, outs[0][0], rtol=1e-3, atol=1e-3 * outs[0][0].abs().max().item())

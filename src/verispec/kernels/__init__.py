@@ -44,7 +44,7 @@ from verispec.kernels.packing import (BLOCK, int6_rows, pack_int4, pack_int6, pa
 HERE = Path(__file__).parent
 SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "gemm6.c", HERE / "attention.c", HERE / "decoder.c"]
 HEADER = HERE / "kernels.h"
-ABI = 19
+ABI = 20
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _status = "not loaded"
 
@@ -167,7 +167,8 @@ class NativeKernels:
         lib.verispec_int6_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
         lib.verispec_attend_rows.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_void_p] * 2
                                              + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
-        lib.verispec_decoder.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
+        lib.verispec_decoder.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_long, ctypes.c_void_p]
+                                         + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
                                          + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4
                                          + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 4
                                          + [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int])
@@ -417,8 +418,9 @@ def _attend_rows(lib, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def _decoder(lib, x: torch.Tensor, weights, dims: DecoderDims, cos: torch.Tensor, sin: torch.Tensor,
              positions: torch.Tensor, layout: CacheLayout, keep: torch.Tensor | None = None) -> None:
-    """x (B, T, C) float32 contiguous, updated in place; cos, sin (B, T, D) contiguous; positions (B, T)
-    int64 contiguous, each below the table's reach (checked by the caller's cache view).
+    """x (B, T, C) float32 contiguous, updated in place; cos, sin (P, D) float32 contiguous, the rotary
+    angles of positions 0 … P-1; positions (B, T) int64 contiguous, each below P and below the cache
+    table's reach (checked by the caller's cache view).
     keep: the rows of x (flat indices b · T + t, strictly ascending) the caller will read, or None for
     all; the others come back holding no meaningful values (the last layer skips them after writing
     their keys and values)."""
@@ -428,15 +430,22 @@ def _decoder(lib, x: torch.Tensor, weights, dims: DecoderDims, cos: torch.Tensor
         if keep.dim() != 1 or (keep.numel() and (int(keep[0]) < 0 or int(keep[-1]) >= b * t
                                                  or not bool((keep[1:] > keep[:-1]).all()))):
             raise ValueError(f"decoder pass: keep must hold strictly ascending row indices below {b * t}")
-    if lib.verispec_decoder(x.data_ptr(), ctypes.addressof(weights), ctypes.addressof(dims), cos.data_ptr(),
-                            sin.data_ptr(), positions.data_ptr(), b, t, layout.k.data_ptr(), layout.v.data_ptr(),
-                            layout.layer_stride, layout.tables.data_ptr(), layout.tables.shape[1], layout.block,
-                            layout.block_stride, layout.head_stride,
-                            layout.ks.data_ptr() if layout.ks is not None else None,
-                            layout.vs.data_ptr() if layout.vs is not None else None,
-                            layout.sc_layer_stride, layout.sc_block_stride, layout.sc_head_stride, layout.group,
-                            int(layout.k.dtype == torch.bfloat16),
-                            keep.data_ptr() if keep is not None and keep.numel() else None,
-                            keep.numel() if keep is not None else -1,
-                            torch.get_num_threads()):
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != dims.D or not cos.is_contiguous() \
+            or not sin.is_contiguous() or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"decoder pass: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be contiguous "
+                         f"(P, {dims.D}) float32 tables")
+    status = lib.verispec_decoder(
+        x.data_ptr(), ctypes.addressof(weights), ctypes.addressof(dims), cos.data_ptr(), sin.data_ptr(),
+        cos.shape[0], positions.data_ptr(), b, t, layout.k.data_ptr(), layout.v.data_ptr(), layout.layer_stride,
+        layout.tables.data_ptr(), layout.tables.shape[1], layout.block, layout.block_stride, layout.head_stride,
+        layout.ks.data_ptr() if layout.ks is not None else None,
+        layout.vs.data_ptr() if layout.vs is not None else None,
+        layout.sc_layer_stride, layout.sc_block_stride, layout.sc_head_stride, layout.group,
+        int(layout.k.dtype == torch.bfloat16),
+        keep.data_ptr() if keep is not None and keep.numel() else None,
+        keep.numel() if keep is not None else -1,
+        torch.get_num_threads())
+    if status == -2:
+        raise IndexError(f"decoder pass: a position outside the rotary table's 0 … {cos.shape[0] - 1}")
+    if status:
         raise MemoryError("decoder pass: no memory for its buffers")

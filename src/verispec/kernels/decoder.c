@@ -19,7 +19,8 @@
  * RMSNorm's sum of squares and SiLU's exponential differ from torch's in the last bits (the tests
  * compare the two passes with a tolerance, and each path with itself bit for bit).
  *
- * Layout: x (R, C) float32, updated in place (the residual stream); cos, sin (R, D); pos (R) int64;
+ * Layout: x (R, C) float32, updated in place (the residual stream); cos, sin (P, D), the rotary angles
+ * of positions 0 … P-1 (a row at position p reads row p); pos (R) int64, each in 0 … P-1;
  * the cache of layer l is kv_view's addressing over kstore/vstore + l · layer_stride (elements: float32,
  * bf16 (bf16 set), or int8 with a scale per sg dimensions of each position and head in kscale/vscale
  * + l · sc_layer_stride, kernels.h).
@@ -133,9 +134,10 @@ static void silu_mul_ws(const float *gu, float *act, long R, long I) {
     }
 }
 
-/* Bias, RoPE (rotate-half: v·cos + rot(v)·sin with rot(v) = [-v₂, v₁]) and the cache write, one
-   head vector of one row per work item, for R rows that start at row r0 of the pass (a chunk; its
-   rows' batch rows, and so their block tables, count from there). */
+/* Bias, RoPE (rotate-half: v·cos + rot(v)·sin with rot(v) = [-v₂, v₁], cos and sin the tables' rows
+   at the row's position) and the cache write, one head vector of one row per work item, for R rows that
+   start at row r0 of the pass (a chunk; its rows' batch rows, and so their block tables, count from
+   there). */
 static void qkv_post_ws(float *qkv, const float *bias, const float *cos, const float *sin, const int64_t *pos,
                         const kv_view *kv, long r0, long R, long T, long H, long Hkv, long D) {
     long heads = H + 2 * Hkv, half = D / 2;
@@ -147,7 +149,7 @@ static void qkv_post_ws(float *qkv, const float *bias, const float *cos, const f
             for (long d = 0; d < D; d++) v[d] = v[d] + bias[j * D + d];
         if (j < H + Hkv) {
             float rot[512], tmp[512];
-            const float *cr = cos + r * D, *sr = sin + r * D;
+            const float *cr = cos + pos[r] * D, *sr = sin + pos[r] * D;
             for (long d = 0; d < half; d++) rot[d] = -v[d + half];
             for (long d = half; d < D; d++) rot[d] = v[d - half];
             for (long d = 0; d < D; d++) {
@@ -182,9 +184,10 @@ static void qkv_post_ws(float *qkv, const float *bias, const float *cos, const f
    the same operations as in a full pass (row-exact), and its attention not at all when none is kept;
    the other rows of x then hold no meaningful values. The caller checks the indices
    (kernels._decoder).
-   Returns 0, or -1 when the scratch buffers cannot be allocated. */
+   Returns 0, -1 when the scratch buffers cannot be allocated, or -2 when a position is outside 0 … P-1
+   (nothing is computed). */
 int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, const float *cos, const float *sin,
-                     const int64_t *pos, long B, long T, void *kstore, void *vstore, long layer_stride,
+                     long P, const int64_t *pos, long B, long T, void *kstore, void *vstore, long layer_stride,
                      const int64_t *tables, long nb, long bs, long blk_stride, long head_stride,
                      float *kscale, float *vscale, long sc_layer_stride, long sc_blk_stride, long sc_head_stride,
                      long sg, int bf16, const int64_t *keep, long nkeep, int threads) {
@@ -194,7 +197,10 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
     long QW = (H + 2 * Hkv) * D, KMAX = kpad(C > H * D ? (C > I ? C : I) : (H * D > I ? H * D : I));
     long chunks = (R + CHUNK_ROWS - 1) / CHUNK_ROWS, RC = (R + chunks - 1) / chunks;   /* near-equal chunks */
     long maxp = 0;
-    for (long r = 0; r < R; r++) maxp = pos[r] > maxp ? pos[r] : maxp;
+    for (long r = 0; r < R; r++) {
+        if (pos[r] < 0 || pos[r] >= P) return -2;
+        maxp = pos[r] > maxp ? pos[r] : maxp;
+    }
     long SP = spad(maxp + 1);
     size_t floats = (size_t)R * (2 * C + QW + H * D) + (size_t)RC * (3 * I) + (size_t)RC * (2 * (KMAX / 32) + KMAX / 16 + 1)
                     + (size_t)att_scratch(T, SP) * threads;
@@ -214,7 +220,7 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
             long n = R - r0 < RC ? R - r0 : RC;
             rmsnorm_ws(x + r0 * C, w->ln1, xn + r0 * C, n, C, dm->eps);
             linear_ws(&w->qkv, xn + r0 * C, qx, sx, qkv + r0 * QW, n, QW, C);
-            qkv_post_ws(qkv + r0 * QW, w->qkv_bias, cos + r0 * D, sin + r0 * D, pos + r0, &kv, r0, n, T, H, Hkv, D);
+            qkv_post_ws(qkv + r0 * QW, w->qkv_bias, cos, sin, pos + r0, &kv, r0, n, T, H, Hkv, D);
         }
         if (nkeep != 0 || l != dm->layers - 1)                /* no row kept: the last attention unread */
             vs_attend_ws(qkv, QW, &kv, pos, att, B, H, Hkv, T, D, dm->scale, scratch, SP);

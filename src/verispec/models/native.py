@@ -83,18 +83,20 @@ class NativeDecoder:
                 return None
         return cls(model)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CacheView,
+    def __call__(self, x: torch.Tensor, rotary, cache: CacheView,
                  keep: torch.Tensor | None = None) -> torch.Tensor | None:
-        """x (B, T, C) float32 embeddings, cos/sin (B, 1, T, D) -> hidden states (B, T, C) before the final
-        norm, or None when the cache cannot be read in place (the caller runs the torch layers).
+        """x (B, T, C) float32 embeddings at the cache view's positions -> hidden states (B, T, C) before the
+        final norm, or None when the cache cannot be read in place (the caller runs the torch layers).
+        rotary: the model's `Rotary`, whose angle tables the kernel reads by position.
         keep: the flat rows (b · T + t, ascending) whose states the caller reads, or None for all; only
         those are meaningful in the result (see `Transformer.forward`)."""
         layout = cache.layout()
         if layout is None:
             return None
         x = x.contiguous()
-        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()              # (B, T, D)
-        kernels.decoder(x, self.weights, self.dims, cos, sin, cache.positions.contiguous(), layout, keep)
+        positions = cache.positions.contiguous()                                # (B, T) int64
+        cos, sin = rotary.table(positions)                                      # (P, D) each
+        kernels.decoder(x, self.weights, self.dims, cos, sin, positions, layout, keep)
         return x
 
 

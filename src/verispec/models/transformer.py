@@ -58,14 +58,18 @@ class Rotary(nn.Module):
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None       # cos, sin (P, D) float32
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (B, T) -> cos, sin (B, 1, T, D): rows of a table of every position so far, grown
-        (to a power of two) when a position passes its end; one lookup per pass instead of ~6 ops."""
+        """positions (B, T) -> cos, sin (B, 1, T, D): rows of `table`; one lookup per pass instead of ~6 ops."""
+        cos, sin = self.table(positions)
+        return cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None]
+
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (P, D) float32, contiguous, for every position 0 … P-1 with P above every one in
+        positions: a table kept between passes and grown (to a power of two) when a position passes its end."""
         top = int(positions.max()) + 1 if positions.numel() else 1
         if self._table is None or self._table[0].shape[0] < top or self._table[0].device != positions.device:
             size = max(ROTARY_TABLE_MIN, 1 << (top - 1).bit_length())
             self._table = self._angles(torch.arange(size, device=positions.device))
-        cos, sin = self._table
-        return cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None]
+        return self._table
 
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq      # (P, D/2)
@@ -213,11 +217,11 @@ class Transformer(nn.Module):
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
                              "must both be (B, T)")
         x = self.model.embed_tokens(input_ids)                                 # (B, T, C)
-        cos, sin = self.rotary(positions, x.dtype)
         if input_ids.shape[1] <= ROW_EXACT_MAX_T and (native := self._native_decoder()) is not None:
-            out = native(x, cos, sin, cache, keep)
+            out = native(x, self.rotary, cache, keep)
             if out is not None:
                 return out
+        cos, sin = self.rotary(positions, x.dtype)
         for block in self.model.layers:
             x = block(x, cos, sin, cache)
         return x
