@@ -99,6 +99,15 @@ def test_bad_suite_is_a_clear_error(tmp_path):
         load_suite(bad)
     with pytest.raises(VerispecError, match="cannot read"):
         load_suite(tmp_path / "missing.jsonl")
+    bad.write_text('\n{"id": 1, "category": "x", "prompt": "hi"}\n{"id": 2}\n')
+    with pytest.raises(VerispecError, match="line 3: needs 'prompt', 'messages' or 'prompt_ids'"):
+        load_suite(bad)
+    bad.write_text('{"id": 1, "prompt": "hi"}\n[1, 2]\n')
+    with pytest.raises(VerispecError, match="line 2: not a prompt record"):
+        load_suite(bad)
+    bad.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(VerispecError, match="not UTF-8"):
+        load_suite(bad)
 
 
 @pytest.mark.parametrize("name, count, category", [("humaneval", 164, "humaneval"), ("mtbench", 80, "mtbench-writing")])

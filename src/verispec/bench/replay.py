@@ -19,6 +19,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from verispec.bench.records import Invalid, parse_records
 from verispec.engine.k_policy import KPolicy, StaticCosts
 from verispec.engine.metrics import SpecMetrics
 from verispec.engine.params import SamplingParams
@@ -75,20 +76,15 @@ def load(path: str | Path) -> list[Answer]:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise VerispecError(f"cannot read recorded answers {path}: {exc}") from None
-    out = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            answer = Answer(str(rec["id"]), str(rec["category"]), [int(t) for t in rec["prompt_ids"]],
-                            [int(t) for t in rec["token_ids"]], None if rec["stop_id"] is None else int(rec["stop_id"]))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise VerispecError(f"{path}, line {n}: not a recorded answer ({exc})") from None
-        if not answer.prompt_ids or not answer.token_ids:
-            raise VerispecError(f"{path}, line {n}: an answer needs a prompt and at least one token")
-        out.append(answer)
-    return out
+    return parse_records(text, str(path), "recorded answer", _answer)
+
+
+def _answer(rec: dict) -> Answer:
+    answer = Answer(str(rec["id"]), str(rec["category"]), [int(t) for t in rec["prompt_ids"]],
+                    [int(t) for t in rec["token_ids"]], None if rec["stop_id"] is None else int(rec["stop_id"]))
+    if not answer.prompt_ids or not answer.token_ids:
+        raise Invalid("an answer needs a prompt and at least one token")
+    return answer
 
 
 def replay(answers: list[Answer], costs: StaticCosts, max_tokens: int | None = None, repeats: int = 1,

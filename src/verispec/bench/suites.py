@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from verispec.bench.records import Invalid, parse_records
 from verispec.errors import VerispecError
 
 
@@ -71,6 +72,14 @@ def _public_records(name: str) -> list[dict]:
              "messages": [{"role": "user", "content": r["turns"][0]}]} for r in raw]
 
 
+def _prompt(rec: dict) -> BenchPrompt:
+    item = BenchPrompt(str(rec["id"]), str(rec.get("category", "default")), rec.get("prompt"), rec.get("messages"),
+                       rec.get("prompt_ids"))
+    if item.prompt is None and not item.messages and not item.prompt_ids:
+        raise Invalid("needs 'prompt', 'messages' or 'prompt_ids'")
+    return item
+
+
 def load_suite(path: str | Path | None = None, limit: int | None = None, seed: int = 0) -> list[BenchPrompt]:
     """The bundled suite (path None), a public suite by name ("humaneval", "mtbench"), or a JSONL file."""
     if path in PUBLIC_SUITES:
@@ -84,20 +93,10 @@ def load_suite(path: str | Path | None = None, limit: int | None = None, seed: i
             text = Path(path).read_text()
         except OSError as exc:
             raise VerispecError(f"cannot read prompt file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise VerispecError(f"cannot read prompt file {path}: not UTF-8 text") from None
         source = str(path)
-    prompts = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            item = BenchPrompt(str(rec["id"]), str(rec.get("category", "default")), rec.get("prompt"),
-                               rec.get("messages"), rec.get("prompt_ids"))
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise VerispecError(f"{source}, line {n}: not a prompt record ({exc})") from None
-        if item.prompt is None and not item.messages and not item.prompt_ids:
-            raise VerispecError(f"{source}, line {n}: needs 'prompt', 'messages' or 'prompt_ids'")
-        prompts.append(item)
+    prompts = parse_records(text, source, "prompt record", _prompt)
     if limit is not None and limit < len(prompts):
         prompts = sorted(random.Random(seed).sample(prompts, limit), key=prompts.index)
     return prompts
