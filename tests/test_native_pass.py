@@ -220,7 +220,7 @@ def test_a_position_past_the_rotary_table_is_refused_before_anything_is_written(
     positions = torch.arange(10, 14)[None]
     x = model.model.embed_tokens(torch.tensor([[3, 1, 4, 1]]))
     before = x.clone()
-    cos, sin = model.rotary.table(positions)
+    cos, sin = model.rotary.table(int(positions.max()) + 1, positions.device)
     with pytest.raises(IndexError, match="rotary table"):
         kernels.decoder(x, decoder.weights, decoder.dims, cos[:12].contiguous(), sin[:12].contiguous(), positions,
                         cache.view([0], positions).layout())
@@ -251,7 +251,7 @@ def test_every_kernel_variant_gives_the_same_native_pass():
         advance(cache, [1], [list(range(1, 21))])
         positions = torch.arange(20, 24)[None]
         x = model.model.embed_tokens(torch.tensor([[3, 1, 4, 1]]))
-        cos, sin = model.rotary.table(positions)                                # (P, D) each
+        cos, sin = model.rotary.table(int(positions.max()) + 1, positions.device)      # (P, D) each
         view = cache.view([1], positions)
         kernels.load_variant(name).decoder(x, decoder.weights, decoder.dims, cos, sin, positions, view.layout())
         outs.append((x, cache.k.clone()))

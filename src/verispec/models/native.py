@@ -95,7 +95,7 @@ class NativeDecoder:
             return None
         x = x.contiguous()
         positions = cache.positions.contiguous()                                # (B, T) int64
-        cos, sin = rotary.table(positions)                                      # (P, D) each
+        cos, sin = rotary.table(cache.kv_len, positions.device)                 # (P, D) each, P ≥ kv_len
         kernels.decoder(x, self.weights, self.dims, cos, sin, positions, layout, keep)
         return x
 

@@ -59,16 +59,15 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) -> cos, sin (B, 1, T, D): rows of `table`; one lookup per pass instead of ~6 ops."""
-        cos, sin = self.table(positions)
+        cos, sin = self.table(int(positions.max()) + 1 if positions.numel() else 1, positions.device)
         return cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None]
 
-    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (P, D) float32, contiguous, for every position 0 … P-1 with P above every one in
-        positions: a table kept between passes and grown (to a power of two) when a position passes its end."""
-        top = int(positions.max()) + 1 if positions.numel() else 1
-        if self._table is None or self._table[0].shape[0] < top or self._table[0].device != positions.device:
+    def table(self, top: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (P, D) float32, contiguous, on device, for every position 0 … P-1 with P ≥ top: a table
+        kept between passes and grown (to a power of two) when a position passes its end."""
+        if self._table is None or self._table[0].shape[0] < top or self._table[0].device != device:
             size = max(ROTARY_TABLE_MIN, 1 << (top - 1).bit_length())
-            self._table = self._angles(torch.arange(size, device=positions.device))
+            self._table = self._angles(torch.arange(size, device=device))
         return self._table
 
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
