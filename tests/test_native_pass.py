@@ -188,15 +188,100 @@ def test_a_row_dependent_pass_is_caught_by_the_identity_test(monkeypatch):
     prompts = [[1, 5, 9, 2, 7], [11, 4, 8, 15, 16, 23, 42, 8, 1]]
     params = SamplingParams(temperature=0, max_tokens=24)
     plain = [o.token_ids for o in LLM(target, proposer="none").generate(prompts, params)]
-    honest = NativeDecoder.__call__
+    honest, honest_pass = NativeDecoder.__call__, NativeDecoder.model_pass
 
     def broken(self, x, rotary, cache, keep=None):
         out = honest(self, x, rotary, cache, keep)
         return out if out is None or out.shape[1] == 1 else out * (1 + 0.5 * torch.randn(out.shape[-1]))
 
+    def broken_pass(self, input_ids, rotary, cache, rows, head):
+        out = honest_pass(self, input_ids, rotary, cache, rows, head)
+        if out is None or input_ids.shape[1] == 1:
+            return out
+        logits, states = out
+        return logits * (1 + 0.5 * torch.randn(logits.shape[-1])), states
+
     monkeypatch.setattr(NativeDecoder, "__call__", broken)
+    monkeypatch.setattr(NativeDecoder, "model_pass", broken_pass)
     spec = LLM(target, draft=target, proposer="draft", k=4).generate(prompts, params)
     assert [o.token_ids for o in spec] != plain
+
+
+def int4_embedded_model(seed: int = 0):
+    """int4_mixed_model with its token embeddings in int4 too (`Int4Embedding`, as a Q4_K file's)."""
+    from test_kernels import on_q4, on_q6
+    from verispec.models.quant import round_to_q4
+
+    model = tiny_model(seed, scale=1.5)
+    fields = on_q4(model, lambda name, mod: name.endswith(("gate_up_proj", "o_proj")))
+    fields |= on_q6(model, lambda name, mod: name.endswith(("down_proj", "lm_head")))
+    table = model.model.embed_tokens.weight
+    with torch.no_grad():
+        fields["model.embed_tokens.weight"] = round_to_q4(table)
+        table.copy_(fields["model.embed_tokens.weight"].dequantized())
+    return quantize_linears(model, "int4", fields=fields)
+
+
+@pytest.mark.parametrize("kind", ["int8, float embeddings", "int4 and int6, int4 embeddings"])
+@pytest.mark.parametrize("paged_cache", [False, True])
+def test_one_call_pass_gives_the_bits_of_the_separate_steps(kind, paged_cache, monkeypatch):
+    """Embeddings, decoder layers, final norm and LM head in one native call (verispec_pass) give the
+    logits, final-normed states and cache entries of the separate steps bit for bit: ragged rows read
+    twice, the full head and a truncated vocabulary (37 tokens: a partial block of columns)."""
+    from verispec.models.quant import Int4Embedding
+
+    model = int8_model(3) if kind.startswith("int8") else int4_embedded_model(3)
+    assert isinstance(model.model.embed_tokens, Int4Embedding) == kind.endswith("int4 embeddings")
+    used = []
+    honest = kernels.model_pass
+    monkeypatch.setattr(kernels, "model_pass", lambda *a: used.append(1) or honest(*a))
+    vocab = torch.tensor(sorted(torch.randperm(96, generator=torch.Generator().manual_seed(1))[:37].tolist()))
+    out = {}
+    for one_call in (True, False):
+        if paged_cache:
+            cache = PagedKVCache(model.config, num_blocks=40, block_size=4, block_tables={3: list(range(1, 20)),
+                                 5: list(range(20, 39))}, dtype=torch.float32)
+        else:
+            cache = KVCache.for_model(model.config, 6, 80, torch.float32)
+        if not one_call:
+            monkeypatch.setattr(NativeDecoder, "model_pass", lambda *a: None)
+        prompts = [list(range(1, 31)), list(range(40, 52))]
+        run(model, cache, [3, 5], prompts, True)
+        advance(cache, [3, 5], prompts)
+        results = []
+        for chunks, rows in (([[7], [9]], [[0], [0]]), ([[1, 2, 3, 4, 5], [6, 7]], [[0, 2, 4], [1, 1, 1]]),
+                             ([[8, 9, 10], [11]], [[2]])):
+            t = max(len(c) for c in chunks)
+            ids = torch.tensor([c + [0] * (t - len(c)) for c in chunks])
+            positions = torch.tensor([[cache.lengths[s] + j for j in range(t)] for s in (3, 5)])
+            for v in (None, vocab):
+                results.append(model.forward_logits(ids, positions, cache.view([3, 5], positions),
+                                                    torch.tensor(rows), v))
+            advance(cache, [3, 5], chunks)
+        out[one_call] = (results, cache.k.clone(), cache.v.clone())
+    assert len(used) == 6                                                    # every pass was one call
+    for (logits, states), (logits2, states2) in zip(out[True][0], out[False][0]):
+        assert torch.equal(logits, logits2) and torch.equal(states, states2)
+    assert logits.shape == (1, 1, 37) and out[True][0][2][0].shape == (2, 3, 96)
+    assert torch.equal(out[True][1], out[False][1]) and torch.equal(out[True][2], out[False][2])
+
+
+def test_a_token_id_outside_the_embedding_table_is_refused_before_anything_is_written():
+    model = int8_model()
+    model.native_pass = True
+    cache = KVCache.for_model(model.config, 1, 64, torch.float32)
+    positions = torch.arange(4)[None]
+    for bad in (96, -1):
+        with pytest.raises(IndexError, match="token id"):
+            model.forward_logits(torch.tensor([[3, 1, bad, 1]]), positions, cache.view([0], positions),
+                                 torch.tensor([[3]]))
+    assert cache.k.abs().sum() == 0 and cache.v.abs().sum() == 0
+    decoder = NativeDecoder.build(model)
+    for rows in ([[4]], [[0], [1]], [[-1]]):          # past the pass's tokens, past its batch, negative
+        with pytest.raises(IndexError, match="row outside"):
+            decoder.model_pass(torch.tensor([[3, 1, 4, 1]]), model.rotary, cache.view([0], positions),
+                               torch.tensor(rows), model.lm_head)
+    assert cache.k.abs().sum() == 0
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -42,8 +42,8 @@ def pass_costs(model: Transformer, widths: list[int], context: int = 128, repeat
         for n in widths:
             new_pos = torch.arange(context, context + n)[None]
             t = time.perf_counter()
-            model.logits(model(ids[:, context:context + n], new_pos, cache.view([0], new_pos)), torch.arange(n)[None],
-                         vocab)
+            model.forward_logits(ids[:, context:context + n], new_pos, cache.view([0], new_pos), torch.arange(n)[None],
+                                 vocab)
             if r:
                 times[n].append(time.perf_counter() - t)
         if on_round:

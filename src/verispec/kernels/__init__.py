@@ -4,7 +4,7 @@
 rounded to 16-bit integers per row; int4 and int6 weights as Q4_K and Q6_K store them with activations
 rounded to 8 bits per group of 32; integer dot products), `attention.c` the row-by-row
 attention of decode and verify passes (reading a static or paged cache in place), `decoder.c` a whole
-decoder pass of an int8 model in one call (see each file's header). The sources are built into one
+pass of a quantized model in one call — its decoder layers, or token ids to logits (see each file's header). The sources are built into one
 shared library per
 instruction-set variant (`VARIANTS`, best first): `avx512bf16` (the next one plus AVX512_BF16: attention
 over a bfloat16 cache multiplies with `vdpbf16ps`), `avx512vnni` (AVX-512 F/BW/VL/DQ + VNNI: the int8
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from verispec.cache import atomic_file, cache_dir
-from verispec.kernels.abi import (CacheLayout, DecoderDims, LayerWeights, LinearWeights,  # noqa: F401
+from verispec.kernels.abi import (CacheLayout, DecoderDims, LayerWeights, LinearWeights, PassEnds,  # noqa: F401
                                   bf16_block_length, pairs_from_keys, pairs_from_values)
 from verispec.kernels import packing
 from verispec.kernels.packing import (BLOCK, int6_rows, pack_int4, pack_int6, pack_int8,  # noqa: F401
@@ -44,7 +44,7 @@ from verispec.kernels.packing import (BLOCK, int6_rows, pack_int4, pack_int6, pa
 HERE = Path(__file__).parent
 SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "gemm6.c", HERE / "attention.c", HERE / "decoder.c"]
 HEADER = HERE / "kernels.h"
-ABI = 20
+ABI = 21
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _status = "not loaded"
 
@@ -172,11 +172,15 @@ class NativeKernels:
                                          + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4
                                          + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 4
                                          + [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int])
+        lib.verispec_pass.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_long, ctypes.c_void_p]
+                                      + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
+                                      + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4
+                                      + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 4 + [ctypes.c_int] * 2)
         lib.verispec_int4_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_void_p]
         lib.verispec_rmsnorm_rows.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] * 4
                                               + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p])
         for fn in (lib.verispec_int8_gemm, lib.verispec_int4_gemm, lib.verispec_int6_gemm, lib.verispec_attend_rows,
-                   lib.verispec_decoder, lib.verispec_int4_rows, lib.verispec_rmsnorm_rows):
+                   lib.verispec_decoder, lib.verispec_pass, lib.verispec_int4_rows, lib.verispec_rmsnorm_rows):
             fn.restype = ctypes.c_int
 
     def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -204,6 +208,10 @@ class NativeKernels:
     def decoder(self, x: torch.Tensor, weights, dims, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 layout: "CacheLayout", keep: torch.Tensor | None = None) -> None:
         _decoder(self.lib, x, weights, dims, cos, sin, positions, layout, keep)
+
+    def model_pass(self, ends: PassEnds, weights, dims, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                   layout: "CacheLayout") -> None:
+        _model_pass(self.lib, ends, weights, dims, cos, sin, positions, layout)
 
 
 @lru_cache(maxsize=None)
@@ -320,6 +328,13 @@ def decoder(x: torch.Tensor, weights, dims, cos: torch.Tensor, sin: torch.Tensor
     _load().decoder(x, weights, dims, cos, sin, positions, layout, keep)
 
 
+def model_pass(ends: PassEnds, weights, dims, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               layout: "CacheLayout") -> None:
+    """A whole model's pass, embeddings to logits, in one call (see decoder.c's verispec_pass and
+    `_model_pass`)."""
+    _load().model_pass(ends, weights, dims, cos, sin, positions, layout)
+
+
 def _int8_gemm(lib, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     n = scales.shape[0]
@@ -430,22 +445,53 @@ def _decoder(lib, x: torch.Tensor, weights, dims: DecoderDims, cos: torch.Tensor
         if keep.dim() != 1 or (keep.numel() and (int(keep[0]) < 0 or int(keep[-1]) >= b * t
                                                  or not bool((keep[1:] > keep[:-1]).all()))):
             raise ValueError(f"decoder pass: keep must hold strictly ascending row indices below {b * t}")
+    _check_tables(cos, sin, dims)
+    status = lib.verispec_decoder(
+        x.data_ptr(), ctypes.addressof(weights), ctypes.addressof(dims), cos.data_ptr(), sin.data_ptr(),
+        cos.shape[0], positions.data_ptr(), b, t, *_cache_arguments(layout),
+        keep.data_ptr() if keep is not None and keep.numel() else None,
+        keep.numel() if keep is not None else -1,
+        torch.get_num_threads())
+    _raise_for(status, "decoder pass", cos)
+
+
+def _model_pass(lib, ends: PassEnds, weights, dims: DecoderDims, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor, layout: CacheLayout) -> None:
+    """ends: the ids (B · T int64), the embedding table, final norm and LM head, the rows whose logits
+    are wanted and the two outputs (abi.PassEnds; the caller sizes them and keeps them alive); the rest
+    as `_decoder`'s. A token id or a row out of range raises IndexError before anything is computed."""
+    b, t = positions.shape
+    _check_tables(cos, sin, dims)
+    status = lib.verispec_pass(
+        ctypes.addressof(ends), ctypes.addressof(weights), ctypes.addressof(dims), cos.data_ptr(), sin.data_ptr(),
+        cos.shape[0], positions.data_ptr(), b, t, *_cache_arguments(layout), torch.get_num_threads())
+    if status == -3:
+        raise IndexError(f"model pass: a token id outside the embedding table's 0 … {ends.vocab - 1}")
+    if status == -4:
+        raise IndexError(f"model pass: rows ({ends.Bn}, {ends.Rn}) of a pass of ({b}, {t}): a batch row "
+                         f"past {b - 1} or a row outside 0 … {t - 1}")
+    _raise_for(status, "model pass", cos)
+
+
+def _check_tables(cos: torch.Tensor, sin: torch.Tensor, dims: DecoderDims) -> None:
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != dims.D or not cos.is_contiguous() \
             or not sin.is_contiguous() or cos.dtype != torch.float32 or sin.dtype != torch.float32:
         raise ValueError(f"decoder pass: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be contiguous "
                          f"(P, {dims.D}) float32 tables")
-    status = lib.verispec_decoder(
-        x.data_ptr(), ctypes.addressof(weights), ctypes.addressof(dims), cos.data_ptr(), sin.data_ptr(),
-        cos.shape[0], positions.data_ptr(), b, t, layout.k.data_ptr(), layout.v.data_ptr(), layout.layer_stride,
-        layout.tables.data_ptr(), layout.tables.shape[1], layout.block, layout.block_stride, layout.head_stride,
-        layout.ks.data_ptr() if layout.ks is not None else None,
-        layout.vs.data_ptr() if layout.vs is not None else None,
-        layout.sc_layer_stride, layout.sc_block_stride, layout.sc_head_stride, layout.group,
-        int(layout.k.dtype == torch.bfloat16),
-        keep.data_ptr() if keep is not None and keep.numel() else None,
-        keep.numel() if keep is not None else -1,
-        torch.get_num_threads())
+
+
+def _cache_arguments(layout: CacheLayout) -> tuple:
+    """decoder.c's cache arguments, kstore … bf16, from a layout."""
+    return (layout.k.data_ptr(), layout.v.data_ptr(), layout.layer_stride,
+            layout.tables.data_ptr(), layout.tables.shape[1], layout.block, layout.block_stride, layout.head_stride,
+            layout.ks.data_ptr() if layout.ks is not None else None,
+            layout.vs.data_ptr() if layout.vs is not None else None,
+            layout.sc_layer_stride, layout.sc_block_stride, layout.sc_head_stride, layout.group,
+            int(layout.k.dtype == torch.bfloat16))
+
+
+def _raise_for(status: int, what: str, cos: torch.Tensor) -> None:
     if status == -2:
-        raise IndexError(f"decoder pass: a position outside the rotary table's 0 … {cos.shape[0] - 1}")
+        raise IndexError(f"{what}: a position outside the rotary table's 0 … {cos.shape[0] - 1}")
     if status:
-        raise MemoryError("decoder pass: no memory for its buffers")
+        raise MemoryError(f"{what}: no memory for its buffers")

@@ -69,6 +69,20 @@ class LayerWeights(ctypes.Structure):
                 ("qkv", LinearWeights), ("o", LinearWeights), ("gu", LinearWeights), ("down", LinearWeights)]
 
 
+class PassEnds(ctypes.Structure):
+    """The two ends of a whole-model pass for decoder.c's verispec_pass: the token ids and the embedding table
+    (embed_format 0 = float32 rows (vocab, C); 1 = int4 in gemm4.c's layout, embed_w / embed_scale /
+    embed_super its packed nibbles, groups and super-blocks), the final norm and the LM head (N outputs, no
+    bias), rows (Bn, Rn): the rows t whose logits are wanted of each of the first Bn batch rows, and the two
+    outputs: states (Bn, Rn, C), those rows final-normed, and logits (Bn, Rn, N). Pointers; the caller keeps
+    the tensors alive."""
+    _fields_ = [("ids", ctypes.c_void_p), ("embed_format", ctypes.c_int64), ("embed_w", ctypes.c_void_p),
+                ("embed_scale", ctypes.c_void_p), ("embed_super", ctypes.c_void_p), ("vocab", ctypes.c_long),
+                ("norm", ctypes.c_void_p), ("norm_eps", ctypes.c_float), ("head", LinearWeights),
+                ("N", ctypes.c_long), ("rows", ctypes.c_void_p), ("Bn", ctypes.c_long), ("Rn", ctypes.c_long),
+                ("states", ctypes.c_void_p), ("logits", ctypes.c_void_p)]
+
+
 class DecoderDims(ctypes.Structure):
     _fields_ = [(name, ctypes.c_long) for name in ("layers", "C", "H", "Hkv", "D", "I")] + \
                [("eps", ctypes.c_float), ("scale", ctypes.c_float)]

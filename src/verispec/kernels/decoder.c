@@ -3,9 +3,12 @@
  *   xn = RMSNorm(x) · ln1;  qkv = xn · W_qkvᵀ (+ bias);  RoPE on q and k;  k, v written into the cache;
  *   att = row-by-row attention (attention.c);  x += att · W_oᵀ;
  *   xn = RMSNorm(x) · ln2;  [gate | up] = xn · W_guᵀ;  x += (silu(gate) · up) · W_downᵀ.
- * The matmuls are gemm.c's int8 or gemm4.c's int4 kernel (per linear), the attention attention.c's; the steps between them are
- * worksharing loops over rows (or row × head), each ended by the loop's barrier, so the threads stay
- * in one region for the whole pass instead of forking and joining ~10 times per layer.
+ * The matmuls are gemm.c's int8, gemm4.c's int4 or gemm6.c's int6 kernel (per linear), the attention
+ * attention.c's; the steps between them are worksharing loops over rows (or row × head), each ended by
+ * the loop's barrier, so the threads stay in one region for the whole pass instead of forking and
+ * joining ~10 times per layer. verispec_pass adds the model's two ends to the same region: the token
+ * embeddings before the first layer, the final norm and the LM head on the rows whose logits are wanted
+ * after the last — one native call per decode, verify or draft step.
  * A wide pass (prefill: several pieces of up to 65 rows) runs each layer's per-row steps in row chunks
  * of at most CHUNK_ROWS: the norm, QKV projection and cache write of every chunk, then the attention
  * of all rows (a row may read keys that a later row of the pass writes), then o_proj to the MLP's
@@ -178,6 +181,120 @@ static void qkv_post_ws(float *qkv, const float *bias, const float *cos, const f
     }
 }
 
+/* The two ends of a whole-model pass (verispec_pass): the token embeddings going in; the final norm and
+   the LM head on the rows whose logits are wanted coming out. */
+typedef struct {
+    const int64_t *ids;                                     /* (R) token ids, each in 0 … vocab-1 */
+    int64_t embed_format;                                   /* 0: float32 rows (vocab, C); 1: gemm4.c's int4 layout */
+    const void *embed_w, *embed_scale, *embed_super;        /* the table; int4: its groups' and super-blocks' numbers */
+    long vocab;
+    const float *norm;                                      /* (C) the final RMSNorm's weight */
+    float norm_eps;
+    linear_weights head;                                    /* N outputs from C, no bias */
+    long N;
+    const int64_t *rows;                                    /* (Bn, Rn): rows t of the first Bn batch rows; */
+    long Bn, Rn;                                            /*   any order, repeats allowed */
+    float *states;                                          /* (Bn, Rn, C) out: those rows final-normed */
+    float *logits;                                          /* (Bn, Rn, N) out */
+} pass_ends;
+
+static void embed_ws(const pass_ends *e, float *x, long R, long C) {
+#pragma omp for schedule(static)
+    for (long r = 0; r < R; r++) {
+        if (e->embed_format == 1)
+            vs_int4_row(e->embed_w, e->embed_scale, e->embed_super, e->ids[r], C, x + r * C);
+        else
+            memcpy(x + r * C, (const float *)e->embed_w + e->ids[r] * C, sizeof(float) * C);
+    }
+}
+
+/* The layers over x (R, C), then, with ends, the final norm and the LM head on the n rows out[0 … n-1] of
+   the pass (flat indices), in chunks of at most RC rows (the scratch's row count). keep as
+   verispec_decoder's. */
+static int run_pass(float *x, const pass_ends *ends, const int64_t *out, long n_out, const layer_weights *lw,
+                    const decoder_dims *dm, const float *cos, const float *sin, long P, const int64_t *pos, long B,
+                    long T, void *kstore, void *vstore, long layer_stride, const int64_t *tables, long nb,
+                    long bs, long blk_stride, long head_stride, float *kscale, float *vscale, long sc_layer_stride,
+                    long sc_blk_stride, long sc_head_stride, long sg, int bf16, const int64_t *keep, long nkeep,
+                    int threads) {
+    bf16 = bf16 && !kscale;
+    size_t esize = (size_t)kv_esize(kscale != NULL, bf16);
+    long R = B * T, C = dm->C, H = dm->H, Hkv = dm->Hkv, D = dm->D, I = dm->I;
+    long QW = (H + 2 * Hkv) * D, KMAX = kpad(C > H * D ? (C > I ? C : I) : (H * D > I ? H * D : I));
+    long chunks = (R + CHUNK_ROWS - 1) / CHUNK_ROWS, RC = (R + chunks - 1) / chunks;   /* near-equal chunks */
+    long maxp = 0;
+    for (long r = 0; r < R; r++) {
+        if (pos[r] < 0 || pos[r] >= P) return -2;
+        maxp = pos[r] > maxp ? pos[r] : maxp;
+    }
+    long SP = spad(maxp + 1);
+    size_t floats = (size_t)R * (2 * C + QW + H * D) + (size_t)RC * (3 * I) + (size_t)RC * (2 * (KMAX / 32) + KMAX / 16 + 1)
+                    + (size_t)att_scratch(T, SP) * threads + (ends ? (size_t)R * C : 0);
+    float *arena = malloc(sizeof(float) * floats + sizeof(int16_t) * RC * KMAX + 64);
+    if (!arena) return -1;
+    float *xn = arena, *tmp = xn + R * C, *qkv = tmp + R * C, *att = qkv + R * QW, *gu = att + R * H * D;
+    float *act = gu + RC * 2 * I, *sx = act + RC * I, *scratch = sx + RC * (2 * (KMAX / 32) + KMAX / 16 + 1);
+    float *embedded = scratch + (size_t)att_scratch(T, SP) * threads;
+    int16_t *qx = (int16_t *)(embedded + (ends ? R * C : 0));
+    if (ends) x = embedded;
+#pragma omp parallel num_threads(threads)
+    {
+        if (ends) embed_ws(ends, x, R, C);
+        for (long l = 0; l < dm->layers; l++) {
+            const layer_weights *w = lw + l;
+            kv_view kv = {(char *)kstore + esize * l * layer_stride, (char *)vstore + esize * l * layer_stride,
+                          kscale ? kscale + l * sc_layer_stride : NULL, vscale ? vscale + l * sc_layer_stride : NULL,
+                          tables, nb, bs, blk_stride, head_stride, sc_blk_stride, sc_head_stride, kscale ? sg : D,
+                          bf16};
+            for (long r0 = 0; r0 < R; r0 += RC) {                  /* every row's keys and values first */
+                long n = R - r0 < RC ? R - r0 : RC;
+                rmsnorm_ws(x + r0 * C, w->ln1, xn + r0 * C, n, C, dm->eps);
+                linear_ws(&w->qkv, xn + r0 * C, qx, sx, qkv + r0 * QW, n, QW, C);
+                qkv_post_ws(qkv + r0 * QW, w->qkv_bias, cos, sin, pos + r0, &kv, r0, n, T, H, Hkv, D);
+            }
+            if (nkeep != 0 || l != dm->layers - 1)                /* no row kept: the last attention unread */
+                vs_attend_ws(qkv, QW, &kv, pos, att, B, H, Hkv, T, D, dm->scale, scratch, SP);
+            long RL = R;                                           /* rows that go on past the attention */
+            if (nkeep >= 0 && l == dm->layers - 1) {               /* the last layer: only the rows kept */
+#pragma omp single
+                for (long i = 0; i < nkeep; i++)                   /* keep[i] >= i: moves towards the front */
+                    if (keep[i] != i) {
+                        memmove(x + i * C, x + keep[i] * C, sizeof(float) * C);
+                        memmove(att + i * H * D, att + keep[i] * H * D, sizeof(float) * H * D);
+                    }
+                RL = nkeep;
+            }
+            for (long r0 = 0; r0 < RL; r0 += RC) {                 /* then each row's own steps, chunk by chunk */
+                long n = RL - r0 < RC ? RL - r0 : RC;
+                float *xr = x + r0 * C, *xnr = xn + r0 * C, *tr = tmp + r0 * C;
+                linear_ws(&w->o, att + r0 * H * D, qx, sx, tr, n, C, H * D);
+                add_rows_ws(xr, tr, n, C);
+                rmsnorm_ws(xr, w->ln2, xnr, n, C, dm->eps);
+                linear_ws(&w->gu, xnr, qx, sx, gu, n, 2 * I, C);
+                silu_mul_ws(gu, act, n, I);
+                linear_ws(&w->down, act, qx, sx, tr, n, C, I);
+                add_rows_ws(xr, tr, n, C);
+            }
+            if (RL < R) {
+#pragma omp single
+                for (long i = nkeep - 1; i >= 0; i--)              /* back to their rows, the last first */
+                    if (keep[i] != i) memcpy(x + keep[i] * C, x + i * C, sizeof(float) * C);
+            }
+        }
+        if (ends) {                                                /* the final norm and the LM head */
+#pragma omp for schedule(static)
+            for (long i = 0; i < n_out; i++)
+                rmsnorm_row(x + out[i] * C, ends->norm, ends->states + i * C, C, ends->norm_eps);
+            for (long r0 = 0; r0 < n_out; r0 += RC) {
+                long n = n_out - r0 < RC ? n_out - r0 : RC;
+                linear_ws(&ends->head, ends->states + r0 * C, qx, sx, ends->logits + r0 * ends->N, n, ends->N, C);
+            }
+        }
+    }
+    free(arena);
+    return 0;
+}
+
 /* keep (nkeep row indices into the R rows, strictly ascending; nkeep < 0 for all rows): the rows whose
    hidden states the caller reads. A prefill piece needs only its keys and values, which every layer
    writes before its attention, so the last layer's o_proj and MLP run on the kept rows alone, each
@@ -191,68 +308,45 @@ int verispec_decoder(float *x, const layer_weights *lw, const decoder_dims *dm, 
                      const int64_t *tables, long nb, long bs, long blk_stride, long head_stride,
                      float *kscale, float *vscale, long sc_layer_stride, long sc_blk_stride, long sc_head_stride,
                      long sg, int bf16, const int64_t *keep, long nkeep, int threads) {
-    bf16 = bf16 && !kscale;
-    size_t esize = (size_t)kv_esize(kscale != NULL, bf16);
-    long R = B * T, C = dm->C, H = dm->H, Hkv = dm->Hkv, D = dm->D, I = dm->I;
-    long QW = (H + 2 * Hkv) * D, KMAX = kpad(C > H * D ? (C > I ? C : I) : (H * D > I ? H * D : I));
-    long chunks = (R + CHUNK_ROWS - 1) / CHUNK_ROWS, RC = (R + chunks - 1) / chunks;   /* near-equal chunks */
-    long maxp = 0;
-    for (long r = 0; r < R; r++) {
-        if (pos[r] < 0 || pos[r] >= P) return -2;
-        maxp = pos[r] > maxp ? pos[r] : maxp;
+    return run_pass(x, NULL, NULL, 0, lw, dm, cos, sin, P, pos, B, T, kstore, vstore, layer_stride, tables, nb, bs,
+                    blk_stride, head_stride, kscale, vscale, sc_layer_stride, sc_blk_stride, sc_head_stride, sg, bf16,
+                    keep, nkeep, threads);
+}
+
+/* A whole model's pass in one call: the embeddings of ends->ids, the decoder layers (as verispec_decoder,
+   the cache arguments alike), then the final norm and the LM head on ends->rows, into ends->states and
+   ends->logits — the same operations as the separate calls (int4_rows, decoder, rmsnorm_rows and the
+   head's matmul), so the same bits. The last layer runs o_proj and the MLP on those rows alone.
+   Returns 0, -1 when the buffers cannot be allocated, -2 when a position is outside 0 … P-1, -3 when a
+   token id is outside 0 … vocab-1, -4 when Bn > B or a row is outside 0 … T-1 (for the last three,
+   nothing is computed or written). */
+int verispec_pass(const pass_ends *ends, const layer_weights *lw, const decoder_dims *dm, const float *cos,
+                  const float *sin, long P, const int64_t *pos, long B, long T, void *kstore, void *vstore,
+                  long layer_stride, const int64_t *tables, long nb, long bs, long blk_stride, long head_stride,
+                  float *kscale, float *vscale, long sc_layer_stride, long sc_blk_stride, long sc_head_stride,
+                  long sg, int bf16, int threads) {
+    long R = B * T, n = ends->Bn * ends->Rn;
+    for (long r = 0; r < R; r++)
+        if (ends->ids[r] < 0 || ends->ids[r] >= ends->vocab) return -3;
+    if (ends->Bn < 0 || ends->Rn < 0 || ends->Bn > B) return -4;
+    for (long i = 0; i < n; i++)
+        if (ends->rows[i] < 0 || ends->rows[i] >= T) return -4;
+    int64_t *keep = malloc(sizeof(int64_t) * (R + n + 1));  /* the rows read, ascending, each once */
+    if (!keep) return -1;
+    int64_t *out = keep + R;                                /* each output's flat row */
+    for (long r = 0; r < R; r++) keep[r] = 0;
+    for (long i = 0; i < n; i++) {
+        out[i] = i / ends->Rn * T + ends->rows[i];
+        keep[out[i]] = 1;
     }
-    long SP = spad(maxp + 1);
-    size_t floats = (size_t)R * (2 * C + QW + H * D) + (size_t)RC * (3 * I) + (size_t)RC * (2 * (KMAX / 32) + KMAX / 16 + 1)
-                    + (size_t)att_scratch(T, SP) * threads;
-    float *arena = malloc(sizeof(float) * floats + sizeof(int16_t) * RC * KMAX + 64);
-    if (!arena) return -1;
-    float *xn = arena, *tmp = xn + R * C, *qkv = tmp + R * C, *att = qkv + R * QW, *gu = att + R * H * D;
-    float *act = gu + RC * 2 * I, *sx = act + RC * I, *scratch = sx + RC * (2 * (KMAX / 32) + KMAX / 16 + 1);
-    int16_t *qx = (int16_t *)(scratch + (size_t)att_scratch(T, SP) * threads);
-#pragma omp parallel num_threads(threads)
-    for (long l = 0; l < dm->layers; l++) {
-        const layer_weights *w = lw + l;
-        kv_view kv = {(char *)kstore + esize * l * layer_stride, (char *)vstore + esize * l * layer_stride,
-                      kscale ? kscale + l * sc_layer_stride : NULL, vscale ? vscale + l * sc_layer_stride : NULL,
-                      tables, nb, bs, blk_stride, head_stride, sc_blk_stride, sc_head_stride, kscale ? sg : D,
-                      bf16};
-        for (long r0 = 0; r0 < R; r0 += RC) {                  /* every row's keys and values first */
-            long n = R - r0 < RC ? R - r0 : RC;
-            rmsnorm_ws(x + r0 * C, w->ln1, xn + r0 * C, n, C, dm->eps);
-            linear_ws(&w->qkv, xn + r0 * C, qx, sx, qkv + r0 * QW, n, QW, C);
-            qkv_post_ws(qkv + r0 * QW, w->qkv_bias, cos, sin, pos + r0, &kv, r0, n, T, H, Hkv, D);
-        }
-        if (nkeep != 0 || l != dm->layers - 1)                /* no row kept: the last attention unread */
-            vs_attend_ws(qkv, QW, &kv, pos, att, B, H, Hkv, T, D, dm->scale, scratch, SP);
-        long RL = R;                                           /* rows that go on past the attention */
-        if (nkeep >= 0 && l == dm->layers - 1) {               /* the last layer: only the rows kept */
-#pragma omp single
-            for (long i = 0; i < nkeep; i++)                   /* keep[i] >= i: moves towards the front */
-                if (keep[i] != i) {
-                    memmove(x + i * C, x + keep[i] * C, sizeof(float) * C);
-                    memmove(att + i * H * D, att + keep[i] * H * D, sizeof(float) * H * D);
-                }
-            RL = nkeep;
-        }
-        for (long r0 = 0; r0 < RL; r0 += RC) {                 /* then each row's own steps, chunk by chunk */
-            long n = RL - r0 < RC ? RL - r0 : RC;
-            float *xr = x + r0 * C, *xnr = xn + r0 * C, *tr = tmp + r0 * C;
-            linear_ws(&w->o, att + r0 * H * D, qx, sx, tr, n, C, H * D);
-            add_rows_ws(xr, tr, n, C);
-            rmsnorm_ws(xr, w->ln2, xnr, n, C, dm->eps);
-            linear_ws(&w->gu, xnr, qx, sx, gu, n, 2 * I, C);
-            silu_mul_ws(gu, act, n, I);
-            linear_ws(&w->down, act, qx, sx, tr, n, C, I);
-            add_rows_ws(xr, tr, n, C);
-        }
-        if (RL < R) {
-#pragma omp single
-            for (long i = nkeep - 1; i >= 0; i--)              /* back to their rows, the last first */
-                if (keep[i] != i) memcpy(x + keep[i] * C, x + i * C, sizeof(float) * C);
-        }
-    }
-    free(arena);
-    return 0;
+    long nkeep = 0;
+    for (long r = 0; r < R; r++)
+        if (keep[r]) keep[nkeep++] = r;
+    int status = run_pass(NULL, ends, out, n, lw, dm, cos, sin, P, pos, B, T, kstore, vstore, layer_stride, tables,
+                          nb, bs, blk_stride, head_stride, kscale, vscale, sc_layer_stride, sc_blk_stride,
+                          sc_head_stride, sg, bf16, keep, nkeep == R ? -1 : nkeep, threads);
+    free(keep);
+    return status;
 }
 
 /* The final norm on gathered rows: out[b, i] = rmsnorm(x[b, rows[b, i]]) for x (B, T, C), rows (B, n),

@@ -223,32 +223,33 @@ int verispec_int4_gemm(const float *x, const uint32_t *wp, const uint8_t *gs, co
     return 0;
 }
 
-/* Rows ids[0 … n-1] of the weight the layout holds (N rows of K) -> out (n, K) float32: q · (d · sc) −
-   (dmin · m), one fp32 product each for the two factors, then one product and one difference per
-   weight — packing.int4_rows' operations, so the same bits (an embedding lookup that reads only its
-   rows). Returns 0, or -1 when an id is outside 0 … N-1 or K is not a multiple of 32. */
+/* Row id of the weight: q · (d · sc) − (dmin · m), one fp32 product each for the two factors, then one
+   product and one difference per weight — packing.int4_rows' operations, so the same bits. */
+void vs_int4_row(const uint32_t *wp, const uint8_t *gs, const uint16_t *ss, long id, long K, float *out) {
+    long G = K / 32, S = (G + 7) / 8, b = id / 16, c = id % 16;
+    for (long g = 0; g < G; g++) {
+        const uint8_t *gg = gs + (b * G + g) * 32;
+        const uint16_t *sg = ss + (b * S + g / 8) * 32;
+        float scale = _cvtsh_ss(sg[c]) * (float)gg[c], low = _cvtsh_ss(sg[16 + c]) * (float)gg[16 + c];
+        for (int j = 0; j < 4; j++) {
+            uint32_t word = wp[((b * G + g) * 4 + j) * 16 + c];
+            for (int t = 0; t < 8; t++) {               /* bits 4i (+16 for the odd weight): k = 8j + 2i + t' */
+                int i2 = t / 2, odd = t % 2;
+                float q = (float)((word >> (4 * i2 + 16 * odd)) & 0xF);
+                out[32 * g + 8 * j + t] = q * scale - low;
+            }
+        }
+    }
+}
+
+/* Rows ids[0 … n-1] of the weight the layout holds (N rows of K) -> out (n, K) float32 (an embedding
+   lookup that reads only its rows). Returns 0, or -1 when an id is outside 0 … N-1 or K is not a
+   multiple of 32. */
 int verispec_int4_rows(const uint32_t *wp, const uint8_t *gs, const uint16_t *ss, const int64_t *ids, long n,
                        long N, long K, float *out) {
     if (K % 32) return -1;
     for (long i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= N) return -1;
-    long G = K / 32, S = (G + 7) / 8;
-    for (long i = 0; i < n; i++) {
-        long b = ids[i] / 16, c = ids[i] % 16;
-        float *o = out + i * K;
-        for (long g = 0; g < G; g++) {
-            const uint8_t *gg = gs + (b * G + g) * 32;
-            const uint16_t *sg = ss + (b * S + g / 8) * 32;
-            float scale = _cvtsh_ss(sg[c]) * (float)gg[c], low = _cvtsh_ss(sg[16 + c]) * (float)gg[16 + c];
-            for (int j = 0; j < 4; j++) {
-                uint32_t word = wp[((b * G + g) * 4 + j) * 16 + c];
-                for (int t = 0; t < 8; t++) {           /* bits 4i (+16 for the odd weight): k = 8j + 2i + t' */
-                    int i2 = t / 2, odd = t % 2;
-                    float q = (float)((word >> (4 * i2 + 16 * odd)) & 0xF);
-                    o[32 * g + 8 * j + t] = q * scale - low;
-                }
-            }
-        }
-    }
+    for (long i = 0; i < n; i++) vs_int4_row(wp, gs, ss, ids[i], K, out + i * K);
     return 0;
 }

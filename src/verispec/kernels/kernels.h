@@ -13,7 +13,7 @@
 #include <omp.h>
 #endif
 
-#define ABI 20
+#define ABI 21
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -93,6 +93,9 @@ void vs_int8_gemm_ws(const int16_t *qx, const float *sx, const int8_t *wp, const
 void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s8, float *xs);
 void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint8_t *gs,
                      const uint16_t *ss, float *y, long M, long N, long K);
+/* Row `id` of the weight that layout holds (K a multiple of 32) -> out (K) float32, dequantized (an
+   embedding lookup). */
+void vs_int4_row(const uint32_t *wp, const uint8_t *gs, const uint16_t *ss, long id, long K, float *out);
 
 /* int6 matmul (gemm6.c): activations rounded as for int4, plus each half-group's integer sum (qs: M ×
    K/16 int32), then y (M, N) from the packed 6-bit words wp, the half-groups' int8 scales sc and the

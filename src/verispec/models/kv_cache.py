@@ -165,6 +165,7 @@ class KVCache(StoredKV):
         self.dtype = dtype                  # what attention reads (the model's dtype)
         self.max_len = max_len
         self.lengths = [0] * num_slots   # committed tokens per slot
+        self._layouts: dict[tuple[int, ...], object] = {}    # a native pass's layout per slot list (fixed)
 
     @classmethod
     def for_model(cls, config, num_slots: int, max_len: int, dtype: torch.dtype,
@@ -176,9 +177,10 @@ class KVCache(StoredKV):
     def num_slots(self) -> int:
         return self.store.k.shape[1]
 
-    def view(self, slots: list[int], positions: torch.Tensor) -> "CacheView":
-        """A view for one forward pass over `positions` (B, T) of the sequences in `slots`."""
-        kv_len = int(positions.max()) + 1
+    def view(self, slots: list[int], positions: torch.Tensor, kv_len: int | None = None) -> "CacheView":
+        """A view for one forward pass over `positions` (B, T) of the sequences in `slots`; kv_len: the
+        largest position plus one, when the caller knows it (else read from positions)."""
+        kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
         if kv_len > self.max_len:
             raise ValueError(f"position {kv_len - 1} is beyond the cache length {self.max_len}")
         return CacheView(self, slots, positions, kv_len)
@@ -200,14 +202,20 @@ class CacheView:
     kv_len: int              # keys 0 .. kv_len-1 are attended (masked per query)
 
     def __post_init__(self) -> None:
-        b = len(self.slots)
-        first = self.slots[0]
-        # Contiguous slots -> plain slicing (no copy when reading); otherwise index tensors.
-        self._range = slice(first, first + b) if self.slots == list(range(first, first + b)) else None
-        self._rows = torch.tensor(self.slots, device=self.positions.device)
+        """What a view derives from its fields (a paged view: its block tables); nothing here."""
 
-    # Only the torch layers read these two; a native pass never builds them (each small torch op costs
+    # Only the torch layers read these; a native pass never builds them (each small torch op costs
     # tens of microseconds right after a pass has streamed the weights through the caches).
+    @cached_property
+    def _range(self) -> slice | None:
+        """Contiguous slots -> plain slicing (no copy when reading); otherwise None (index tensors)."""
+        b, first = len(self.slots), self.slots[0]
+        return slice(first, first + b) if self.slots == list(range(first, first + b)) else None
+
+    @cached_property
+    def _rows(self) -> torch.Tensor:
+        return torch.tensor(self.slots, device=self.positions.device)
+
     @cached_property
     def position_lists(self) -> list[list[int]]:
         return self.positions.tolist()                                     # read once, not per layer
@@ -220,8 +228,15 @@ class CacheView:
 
     def layout(self):
         """How a native pass reads and writes this cache in place (`kernels.CacheLayout`): each sequence's
-        slot is one block as long as the cache. None where it cannot (not float32, bfloat16 or int8 on the CPU)."""
-        return _layout(self.cache.store, self._rows[:, None], self.cache.max_len)
+        slot is one block as long as the cache. None where it cannot (not float32, bfloat16 or int8 on the CPU).
+        Built once per list of slots (the store never moves)."""
+        key = tuple(self.slots)
+        layouts = self.cache._layouts
+        if key not in layouts:
+            if len(layouts) >= 64:                      # batch compositions: a bounded few
+                layouts.clear()
+            layouts[key] = _layout(self.cache.store, self._rows[:, None], self.cache.max_len)
+        return layouts[key]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, H_kv, T, D) at the view's positions; return all keys/values (B, H_kv, kv_len, D)."""

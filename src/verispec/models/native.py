@@ -1,23 +1,26 @@
-"""A whole decoder pass in one native call (kernels/decoder.c) for int8 models on the CPU.
+"""A whole pass in one native call (kernels/decoder.c) for int8, int4 and int6 models on the CPU.
 
 `NativeDecoder.build(model)` says whether a model qualifies — float32 compute, every projection an
 `Int8Linear`, `Int4Linear` or `Int6Linear` in the kernels' packed layouts (o, gate/up and down without bias), the
 native kernels available — and holds one `LayerWeights` record of tensor pointers per layer. Calling it runs every
 decoder layer over a pass of new tokens, reading and writing the engine's cache (static or paged) in
-place through `CacheView.layout()`. The torch layers in `transformer.py` stay the reference and the
-fallback: bf16, GPUs, prefill chunks, `VERISPEC_KERNELS=off`.
+place through `CacheView.layout()`; `model_pass` runs the whole model, token ids to logits, in the same call
+where the embedding table (float32 or `Int4Embedding`) and the LM head (one of the three packed formats,
+without bias) qualify too. The torch layers in `transformer.py` stay the reference and the fallback: bf16,
+GPUs, `VERISPEC_KERNELS=off`.
 """
 
 from __future__ import annotations
 
-
 import torch
+from torch import nn
 
 from verispec import kernels
 from verispec.models.kv_cache import CacheView
-from verispec.models.quant import Int4Linear, Int6Linear, Int8Linear
+from verispec.models.quant import Int4Embedding, Int4Linear, Int6Linear, Int8Linear
 
 MAX_HEAD_DIM = 512            # decoder.c's per-head scratch
+HEADS_KEPT = 8                # LM heads (the full one and truncated vocabularies) with pointer records
 
 
 class NativeDecoder:
@@ -33,26 +36,65 @@ class NativeDecoder:
             record.qkv_bias = self._pointer(attn.qkv_proj.bias)
             for field, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gu", mlp.gate_up_proj),
                                   ("down", mlp.down_proj)):
-                target = getattr(record, field)
-                if isinstance(linear, Int4Linear):
-                    target.format, target.w = 1, self._pointer(linear.packed)
-                    target.scale, target.super = self._pointer(linear.groups), self._pointer(linear.supers)
-                elif isinstance(linear, Int6Linear):
-                    target.format, target.w = 2, self._pointer(linear.packed)
-                    target.scale, target.super = self._pointer(linear.scales), self._pointer(linear.supers)
-                else:
-                    target.format, target.w = 0, self._pointer(linear.weight)
-                    target.scale, target.super = self._pointer(linear.scales), None
+                self._fill(getattr(record, field), linear)
         self.dims = kernels.DecoderDims(layers=len(layers), C=cfg.hidden_size, H=cfg.num_heads, Hkv=cfg.num_kv_heads,
                                         D=cfg.head_dim, I=cfg.intermediate_size, eps=cfg.rms_norm_eps,
                                         scale=cfg.head_dim ** -0.5)
+        self._ends = self._ends_template(model)   # None: the embedding or the final norm does not qualify
+        self._heads: dict[int, tuple[nn.Module, kernels.LinearWeights | None, list]] = {}   # by id(head)
 
-    def _pointer(self, tensor: torch.Tensor | None) -> int | None:
+    def _pointer(self, tensor: torch.Tensor | None, keep: list | None = None) -> int | None:
+        """The address of a contiguous tensor holding `tensor`'s values, kept alive in `keep` (the
+        decoder's own list by default)."""
         if tensor is None:
             return None
         tensor = tensor.detach().contiguous()
-        self._keep.append(tensor)
+        (self._keep if keep is None else keep).append(tensor)
         return tensor.data_ptr()
+
+    def _fill(self, target: kernels.LinearWeights, linear: nn.Module, keep: list | None = None) -> None:
+        if isinstance(linear, Int4Linear):
+            target.format, target.w = 1, self._pointer(linear.packed, keep)
+            target.scale, target.super = self._pointer(linear.groups, keep), self._pointer(linear.supers, keep)
+        elif isinstance(linear, Int6Linear):
+            target.format, target.w = 2, self._pointer(linear.packed, keep)
+            target.scale, target.super = self._pointer(linear.scales, keep), self._pointer(linear.supers, keep)
+        else:
+            target.format, target.w = 0, self._pointer(linear.weight, keep)
+            target.scale, target.super = self._pointer(linear.scales, keep), None
+
+    def _ends_template(self, model) -> kernels.PassEnds | None:
+        """The pass's fixed ends (embedding table, final norm), or None when they do not qualify."""
+        embed, norm, c = model.model.embed_tokens, model.model.norm, model.config.hidden_size
+        ends = kernels.PassEnds()
+        if isinstance(embed, Int4Embedding) and embed.embedding_dim == c and c % 32 == 0:
+            ends.embed_format, ends.embed_w = 1, self._pointer(embed.packed)
+            ends.embed_scale, ends.embed_super = self._pointer(embed.groups), self._pointer(embed.supers)
+            ends.vocab = embed.num_embeddings
+        elif type(embed) is nn.Embedding and embed.weight.dtype == torch.float32 and embed.embedding_dim == c:
+            ends.embed_format, ends.embed_w, ends.vocab = 0, self._pointer(embed.weight), embed.num_embeddings
+        else:
+            return None
+        if norm.weight.dtype != torch.float32 or norm.weight.shape != (c,):
+            return None
+        ends.norm, ends.norm_eps = self._pointer(norm.weight), norm.eps
+        return ends
+
+    def _head(self, head: nn.Module) -> kernels.LinearWeights | None:
+        """The pointer record of an LM head (the model's or a truncated vocabulary's), or None when it
+        does not qualify (another format, a bias, another input size)."""
+        found = self._heads.get(id(head))
+        if found is not None and found[0] is head:
+            return found[1]
+        record, keep = None, []
+        if (isinstance(head, (Int8Linear, Int4Linear, Int6Linear)) and head.bias is None
+                and head.in_features == self.dims.C):
+            record = kernels.LinearWeights()
+            self._fill(record, head, keep)
+        if len(self._heads) >= HEADS_KEPT:
+            self._heads.pop(next(iter(self._heads)))
+        self._heads[id(head)] = (head, record, keep)      # the head itself too: its id stays its own
+        return record
 
     @staticmethod
     def fingerprint(model) -> tuple:
@@ -98,6 +140,32 @@ class NativeDecoder:
         cos, sin = rotary.table(cache.kv_len, positions.device)                 # (P, D) each, P ≥ kv_len
         kernels.decoder(x, self.weights, self.dims, cos, sin, positions, layout, keep)
         return x
+
+    def model_pass(self, input_ids: torch.Tensor, rotary, cache: CacheView, rows: torch.Tensor,
+                   head: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """input_ids (B, T) at the cache view's positions, rows (B', R) indices into T of the first B' batch
+        rows, head the LM head (or a truncated vocabulary's) -> (logits (B', R, N), the final-normed states
+        they came from (B', R, C)), every row's keys and values written; or None when the ends, the head or
+        the cache do not qualify (the caller runs the separate steps). A token id outside the embedding
+        table raises IndexError before anything is computed."""
+        if self._ends is None or (record := self._head(head)) is None:
+            return None
+        layout = cache.layout()
+        if layout is None:
+            return None
+        bp, r = rows.shape
+        ids = input_ids.to(torch.int64).contiguous()                            # (B, T)
+        rows = rows.to(torch.int64).contiguous()                                # (B', R)
+        positions = cache.positions.contiguous()                                # (B, T) int64
+        cos, sin = rotary.table(cache.kv_len, positions.device)                 # (P, D) each, P ≥ kv_len
+        states = torch.empty(bp, r, self.dims.C)
+        logits = torch.empty(bp, r, head.out_features)
+        ends = kernels.PassEnds.from_buffer_copy(self._ends)
+        ends.ids, ends.head, ends.N = ids.data_ptr(), record, head.out_features
+        ends.rows, ends.Bn, ends.Rn = rows.data_ptr(), bp, r
+        ends.states, ends.logits = states.data_ptr(), logits.data_ptr()
+        kernels.model_pass(ends, self.weights, self.dims, cos, sin, positions, layout)
+        return logits, states
 
 
 def _stored(linear) -> torch.Tensor:

@@ -21,6 +21,7 @@ ragged batch that fall beyond a sequence's table write into it too; nothing real
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import cached_property
 
 import torch
 
@@ -79,8 +80,8 @@ class PagedKVCache(StoredKV):
             n += 1
         return n * self.block_size
 
-    def view(self, slots: list[int], positions: torch.Tensor) -> "PagedCacheView":
-        return PagedCacheView(self, slots, positions, int(positions.max()) + 1)
+    def view(self, slots: list[int], positions: torch.Tensor, kv_len: int | None = None) -> "PagedCacheView":
+        return PagedCacheView(self, slots, positions, int(positions.max()) + 1 if kv_len is None else kv_len)
 
 
 class PagedCacheView(CacheView):
@@ -88,15 +89,20 @@ class PagedCacheView(CacheView):
     (B, H_kv, kv_len, D) tensor, which the attention code reads exactly like the static cache."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         bs = self.cache.block_size
         num_blocks = (self.kv_len + bs - 1) // bs
         tables = [self.cache.block_tables[s][:num_blocks] for s in self.slots]
         padded = [t + [0] * (num_blocks - len(t)) for t in tables]
-        device = self.positions.device
-        self.tables = torch.tensor(padded, dtype=torch.long, device=device)            # (B, NB)
-        blocks = torch.gather(self.tables, 1, self.positions // bs)                    # (B, T)
-        self.write_block, self.write_offset = blocks, self.positions % bs
+        self.tables = torch.tensor(padded, dtype=torch.long, device=self.positions.device)   # (B, NB)
+
+    @cached_property
+    def write_block(self) -> torch.Tensor:
+        """(B, T) the block each new position goes to (the torch layers' writes)."""
+        return torch.gather(self.tables, 1, self.positions // self.cache.block_size)
+
+    @cached_property
+    def write_offset(self) -> torch.Tensor:
+        return self.positions % self.cache.block_size
 
     def layout(self):
         """A native pass reads each sequence's blocks in place through its block table."""

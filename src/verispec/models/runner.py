@@ -46,28 +46,22 @@ class ModelRunner:
         entries (pieces), where one piece's padding would land on another's tokens. Does not move the
         length pointers.
         """
-        b = len(chunks)
         t = max(len(c) for c in chunks)
         device = self.model.device
-        ids = torch.zeros(b, t, dtype=torch.long)
-        start = torch.tensor(starts if starts is not None else [self.length(s) for s in slots])
-        for i, c in enumerate(chunks):
-            ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-        positions = start[:, None] + torch.arange(t)[None, :]                     # (B, T)
-        if pad_beyond:
-            real = torch.arange(t)[None, :] < torch.tensor([len(c) for c in chunks])[:, None]     # (B, T)
-            top = int(positions[real].max()) + 1
-            positions = torch.where(real, positions, top + torch.arange(t)[None, :])
-        read = sorted({i * t + j for i, x in enumerate(rows or []) for j in x})     # the rows gathered below
-        keep = None if len(read) == b * t else torch.tensor(read, dtype=torch.long)  # a verify pass reads all
-        hidden = self.model(ids.to(device), positions.to(device), self.cache.view(slots, positions.to(device)),
-                            keep=keep)
-        if rows is None:
+        start = starts if starts is not None else [self.length(s) for s in slots]
+        # Built as lists, then one tensor each: a pass's Python runs with cold caches (the weights have
+        # just streamed through them), where every small torch op costs tens of microseconds.
+        ids = torch.tensor([c + [0] * (t - len(c)) for c in chunks], dtype=torch.long, device=device)    # (B, T)
+        top = max(s + len(c) for s, c in zip(start, chunks))              # past the last real position
+        pos = [[s + j if j < len(c) or not pad_beyond else top + j for j in range(t)] for s, c in zip(start, chunks)]
+        positions = torch.tensor(pos, dtype=torch.long, device=device)                                 # (B, T)
+        view = self.cache.view(slots, positions, kv_len=max(max(row) for row in pos) + 1)
+        if rows is None:                                 # a prefill: keys and values only
+            self.model(ids, positions, view, keep=torch.empty(0, dtype=torch.long))
             return None
         r = max(len(x) for x in rows)
-        idx = torch.tensor([x + [x[-1]] * (r - len(x)) for x in rows], dtype=torch.long, device=device)
-        h = self.model.final_states(hidden[: len(rows)], idx)                      # (B', R, C)
-        logits = self.model.project(h, vocab)                                      # (B, R, V or N)
+        idx = torch.tensor([x + [x[-1]] * (r - len(x)) for x in rows], dtype=torch.long, device=device)   # (B', R)
+        logits, h = self.model.forward_logits(ids, positions, view, idx, vocab)   # (B', R, V or N), (B', R, C)
         return (logits, h) if states else logits
 
     @staticmethod

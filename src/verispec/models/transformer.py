@@ -225,6 +225,32 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, cache)
         return x
 
+    @torch.inference_mode()
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: CacheView, rows: torch.Tensor,
+                       vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, `final_states` and `project` as one step: input_ids, positions (B, T); rows (B', R)
+        indices into T of the first B' ≤ B batch rows -> (float32 logits (B', R, V), or (B', R, N) over
+        `vocab` only; the final-normed states they came from, (B', R, C)). Every row's keys and values are
+        written; the last layer's o_proj and MLP run on the rows read alone (see `forward`).
+
+        With a native pass whose embedding table and LM head qualify, the whole of it is one native call
+        (kernels/decoder.c's verispec_pass): the same operations as the separate steps, the same bits."""
+        if positions.shape != input_ids.shape or input_ids.dim() != 2 or rows.dim() != 2 \
+                or rows.shape[0] > input_ids.shape[0]:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must both "
+                             f"be (B, T), rows {tuple(rows.shape)} (B' ≤ B, R)")
+        b, t = input_ids.shape
+        if t <= ROW_EXACT_MAX_T and (native := self._native_decoder()) is not None:
+            head = self.lm_head if vocab is None else self._head_for(vocab)
+            out = native.model_pass(input_ids, self.rotary, cache, rows, head)
+            if out is not None:
+                return out
+        offsets = torch.arange(rows.shape[0], device=rows.device)[:, None] * t  # (B', 1)
+        keep = torch.unique(rows.to(torch.long) + offsets)                    # ascending flat rows read
+        hidden = self(input_ids, positions, cache, keep=None if keep.numel() == b * t else keep)
+        states = self.final_states(hidden[: rows.shape[0]], rows)
+        return self.project(states, vocab), states
+
     def exact_pass_rows(self, store: KVStore) -> int | None:
         """The most tokens per row a pass may hold and still compute each row exactly as a one-token
         decode step would (the native pass), or None when passes of every length run the torch layers.
