@@ -49,6 +49,7 @@ class DraftModelProposer(Proposer):
         self.draft = draft
         self.target_vocab = target_vocab
         self.vocab = vocab
+        self._vocab_ids = None if vocab is None else vocab.tolist()     # subset index -> token id, as ints
         self.runner: ModelRunner | None = None
         self.written: dict[int, int] = {}
         self.resumed: set[int] = set()          # slots whose shared prefix was looked up
@@ -84,13 +85,13 @@ class DraftModelProposer(Proposer):
         assert self.runner is not None, "start() first"
         self.written = {}        # only sequences drafted this round move past their committed length
         b, k_max = len(seqs), max(ks, default=0)
-        tokens = torch.zeros(b, k_max, dtype=torch.long)
+        drafted = [[0] * k_max for _ in range(b)]          # (B, K) token ids; a tensor once the round is done
         greedy = [s.params.greedy for s in seqs]
         # q only where a drafted row samples: greedy acceptance compares tokens alone (None = point masses).
         sampling = any(k and not g for k, g in zip(ks, greedy))
         q = torch.zeros(b, k_max, self.target_vocab) if sampling else None
         if k_max == 0:
-            return Proposal(tokens, torch.tensor(ks), q)
+            return Proposal(torch.zeros(b, 0, dtype=torch.long), torch.tensor(ks), q)
         temp = torch.tensor([s.params.temperature if not g else 1.0 for s, g in zip(seqs, greedy)])
         top_k = torch.tensor([s.params.top_k for s in seqs])
         top_p = torch.tensor([s.params.top_p for s in seqs])
@@ -116,9 +117,11 @@ class DraftModelProposer(Proposer):
             logits = self._align(logits) if self.vocab is None else logits
             for j, c in zip(active, (chunks[j] for j in active)):
                 self.runner.cache.set_length(seqs[j].slot, self.runner.length(seqs[j].slot) + len(c))
-            a = torch.tensor(active)
+            # Python lists between passes where they will do: right after a pass every small torch op
+            # costs tens of microseconds (its code and data were evicted by the weights).
             picked = logits[:, 0].argmax(-1)                                      # (A,)
             if q is not None:
+                a = torch.tensor(active)
                 probs = warp_probs(logits, temp[a], top_k[a], top_p[a])[:, 0]    # (A, V or N)
                 greedy_rows = torch.tensor([greedy[j] for j in active])
                 picked = torch.where(greedy_rows, picked, sample_from(probs, [gens[j] for j in active]))
@@ -126,15 +129,20 @@ class DraftModelProposer(Proposer):
                     q[a, i] = probs
                 else:                          # q is zero off the subset
                     q[a[:, None], i, self.vocab[None, :]] = probs
-            tokens[a, i] = picked if self.vocab is None else self.vocab[picked]    # subset indices -> token ids
+            ids = picked.tolist()
+            if self._vocab_ids is not None:    # subset indices -> token ids
+                ids = [self._vocab_ids[x] for x in ids]
+            for j, token in zip(active, ids):
+                drafted[j][i] = token
             if self.stop_below > 0 and i + 1 < k_max:
                 sure = (probs if q is not None else torch.softmax(logits[:, 0].float(), -1)).amax(-1)    # (A,)
                 for j, unsure in zip(active, (sure < self.stop_below).tolist()):
                     if unsure:
                         ks[j] = i + 1          # this step's token is the row's last draft
-            chunks = [[int(tokens[j, i])] if ks[j] > i else [] for j in range(b)]
+            chunks = [[drafted[j][i]] if ks[j] > i else [] for j in range(b)]
         width = max(ks)                        # rows that stopped early may leave the round narrower
-        tokens, q = tokens[:, :width], (q[:, :width] if q is not None else None)
+        tokens = torch.tensor([row[:width] for row in drafted], dtype=torch.long).reshape(b, width)   # (B, K)
+        q = q[:, :width] if q is not None else None
         # The last proposal was never fed: the draft's cache now covers tokens + x̃_0 … x̃_{k-2}.
         self.written = {s.slot: self.runner.length(s.slot) for s in seqs}
         # The cost model gets the per-token drafting cost; catching up after K = 0 rounds is a
