@@ -4,9 +4,8 @@
 rounded to 16-bit integers per row; int4 and int6 weights as Q4_K and Q6_K store them with activations
 rounded to 8 bits per group of 32; integer dot products), `attention.c` the row-by-row
 attention of decode and verify passes (reading a static or paged cache in place), `decoder.c` a whole
-pass of a quantized model in one call — its decoder layers, or token ids to logits (see each file's header). The sources are built into one
-shared library per
-instruction-set variant (`VARIANTS`, best first): `avx512bf16` (the next one plus AVX512_BF16: attention
+pass of a quantized model in one call — its decoder layers, or token ids to logits (see each file's
+header). The sources are built into one shared library per instruction-set variant (`VARIANTS`, best first): `avx512bf16` (the next one plus AVX512_BF16: attention
 over a bfloat16 cache multiplies with `vdpbf16ps`), `avx512vnni` (AVX-512 F/BW/VL/DQ + VNNI: the int8
 matmul on 512-bit vectors with `vpdpwssd`) and `avx2` (AVX2 + FMA). At first use the best variant this
 CPU supports is built into `$VERISPEC_CACHE/kernels/` (about a second with gcc; the file name hashes
@@ -167,15 +166,12 @@ class NativeKernels:
         lib.verispec_int6_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
         lib.verispec_attend_rows.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 4 + [ctypes.c_void_p] * 2
                                              + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
-        lib.verispec_decoder.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_long, ctypes.c_void_p]
-                                         + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
-                                         + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4
-                                         + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 4
-                                         + [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int])
-        lib.verispec_pass.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_long, ctypes.c_void_p]
-                                      + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2
-                                      + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4
-                                      + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 4 + [ctypes.c_int] * 2)
+        # Both passes: (x or ends), weights, dims, cos, sin, P, pos, B, T, then the cache (_cache_arguments).
+        pass_args = ([ctypes.c_void_p] * 5 + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 2
+                     + [ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 4
+                     + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 4 + [ctypes.c_int])
+        lib.verispec_decoder.argtypes = pass_args + [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]   # keep, threads
+        lib.verispec_pass.argtypes = pass_args + [ctypes.c_int]                                    # threads
         lib.verispec_int4_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_void_p]
         lib.verispec_rmsnorm_rows.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] * 4
                                               + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p])

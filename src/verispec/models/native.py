@@ -132,13 +132,11 @@ class NativeDecoder:
         rotary: the model's `Rotary`, whose angle tables the kernel reads by position.
         keep: the flat rows (b · T + t, ascending) whose states the caller reads, or None for all; only
         those are meaningful in the result (see `Transformer.forward`)."""
-        layout = cache.layout()
-        if layout is None:
+        inputs = _cache_inputs(rotary, cache)
+        if inputs is None:
             return None
         x = x.contiguous()
-        positions = cache.positions.contiguous()                                # (B, T) int64
-        cos, sin = rotary.table(cache.kv_len, positions.device)                 # (P, D) each, P ≥ kv_len
-        kernels.decoder(x, self.weights, self.dims, cos, sin, positions, layout, keep)
+        kernels.decoder(x, self.weights, self.dims, *inputs, keep)
         return x
 
     def model_pass(self, input_ids: torch.Tensor, rotary, cache: CacheView, rows: torch.Tensor,
@@ -150,22 +148,31 @@ class NativeDecoder:
         table raises IndexError before anything is computed."""
         if self._ends is None or (record := self._head(head)) is None:
             return None
-        layout = cache.layout()
-        if layout is None:
+        inputs = _cache_inputs(rotary, cache)
+        if inputs is None:
             return None
         bp, r = rows.shape
         ids = input_ids.to(torch.int64).contiguous()                            # (B, T)
         rows = rows.to(torch.int64).contiguous()                                # (B', R)
-        positions = cache.positions.contiguous()                                # (B, T) int64
-        cos, sin = rotary.table(cache.kv_len, positions.device)                 # (P, D) each, P ≥ kv_len
         states = torch.empty(bp, r, self.dims.C)
         logits = torch.empty(bp, r, head.out_features)
         ends = kernels.PassEnds.from_buffer_copy(self._ends)
         ends.ids, ends.head, ends.N = ids.data_ptr(), record, head.out_features
         ends.rows, ends.Bn, ends.Rn = rows.data_ptr(), bp, r
         ends.states, ends.logits = states.data_ptr(), logits.data_ptr()
-        kernels.model_pass(ends, self.weights, self.dims, cos, sin, positions, layout)
+        kernels.model_pass(ends, self.weights, self.dims, *inputs)
         return logits, states
+
+
+def _cache_inputs(rotary, cache: CacheView) -> tuple | None:
+    """(cos, sin, positions, layout), a native pass's arguments in the kernels' order: the rotary tables
+    (P, D) each with P ≥ kv_len, the positions (B, T) int64 and the cache's layout; None when the cache
+    cannot be read in place."""
+    layout = cache.layout()
+    if layout is None:
+        return None
+    positions = cache.positions.contiguous()
+    return (*rotary.table(cache.kv_len, positions.device), positions, layout)
 
 
 def _stored(linear) -> torch.Tensor:
