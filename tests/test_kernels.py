@@ -399,10 +399,13 @@ def test_int6_gemm_matches_reference_and_is_row_exact(native, m, n, k):
 def test_integer_sums_at_their_extremes_neither_saturate_nor_wrap(native, kind):
     """Every weight at its largest or smallest level (int6: and every scale) against activations that
     round to ±127: the AVX2 kernels add pair products in 16 bits (int4: eight, int6: two) before
-    widening, which these sums would overflow if they added one more."""
+    widening, which these sums would overflow if they added one more. int4's widening multiply also
+    weighs a group by its multiplier, up to 255 here: I · sc then reaches 32 · 15 · 127 · 255, still an
+    exact integer in fp32."""
     n, k = 32, 512
     if kind == "int4":
         f = q4_fields(n, k, seed=1)
+        f.sc[:, ::2] = 255
         f.q[: n // 2] = 15
         f.q[n // 2:] = torch.where(torch.arange(k) % 2 == 0, 15, 0).to(torch.uint8)
         layer, ref_fn = quant.Int4Linear.from_fields(f), int4_reference

@@ -1,19 +1,25 @@
 /* The int4 matmul: weights as Q4_K GGUF tensors store them, w[n, k] = d[n, s] · sc[n, g] · q[n, k]
  * − dmin[n, s] · m[n, g], with q in 0 … 15, g = k / 32 the group, s = g / 8 the super-block of 256;
  * sc and m are 8-bit integers per group (Q4_K's are 6-bit; 8 bits also hold finer ones), d and dmin
- * fp16 per super-block. scale = d · sc and min = −dmin · m are exact in fp32 (an fp16 times an
- * integer below 2⁸), so the kernel multiplies by the file's weights exactly. Activations are rounded
- * to 8-bit integers per row and group of 32 (as llama.cpp's Q8 activations are): x[m, k] ≈ q8[m, k] ·
- * s8[m, g] with s8 = max |x| / 127 over the group. With I[m, n, g] = Σ_{k in g} q[n, k] · q8[m, k] (an
- * exact integer, |I| ≤ 32 · 15 · 127) and the group's exact float sum X[m, g] = Σ_{k in g} x[m, k]
- *   y[m, n] = Σ_g ( I[m, n, g] · (scale[n, g] · s8[m, g]) + min[n, g] · X[m, g] )
- * in ascending g, one product and two fp32 FMAs per group. A u8 × s8 dot product of 4 pairs is one
- * lane of vpdpbusd (AVX-512 VNNI), or vpmaddubsw on AVX2, whose 16-bit pair sums (at most 2 · 15 · 127)
- * are added in 16 bits over the group's 32 k (8 of them: below 2¹⁵, so nothing saturates or wraps)
- * and widened with one vpmaddwd per group: 64 multiply-adds per instruction where 16-bit activations
- * gave 32. A row's
- * result is that one sequence of operations whatever M is (row-exact), and the AVX2 and AVX-512
- * variants run the same integer sums and fp32 operations lane for lane (the same bits).
+ * fp16 per super-block. Activations are rounded to 8-bit integers per row and group of 32 (as
+ * llama.cpp's Q8 activations are): x[m, k] ≈ q8[m, k] · s8[m, g] with s8 = max |x| / 127 over the
+ * group. With I[m, n, g] = Σ_{k in g} q[n, k] · q8[m, k] (an exact integer, |I| ≤ 32 · 15 · 127) and
+ * the group's exact float sum X[m, g] = Σ_{k in g} x[m, k], per super-block s
+ *   A[m, n, s] = Σ_{g in s} float(I[m, n, g] · sc[n, g]) · s8[m, g]
+ *   B[m, n, s] = Σ_{g in s} float(m[n, g]) · X[m, g]
+ *   y[m, n]    = Σ_s ( d[n, s] · A[m, n, s] + (−dmin[n, s]) · B[m, n, s] )
+ * as fp32 FMAs in ascending g and s: two per row and group, two per row and super-block. I · sc is an
+ * exact integer below 2²⁴ (32 · 15 · 127 · 255), so its float is exact. A u8 × s8 dot product of 4
+ * pairs is one lane of vpdpbusd (AVX-512 VNNI), or vpmaddubsw on AVX2, whose 16-bit pair sums (at most
+ * 2 · 15 · 127) are added in 16 bits over the group's 32 k (8 of them: below 2¹⁵, so nothing saturates
+ * or wraps) and widened by one vpmaddwd per group against (sc, sc) pairs, which yields I · sc itself:
+ * 64 multiply-adds per instruction where 16-bit activations gave 32. AVX-512 forms float(I) ·
+ * float(sc), the same exact value. A row's result is that one sequence of operations whatever M is
+ * (row-exact), and the AVX2 and AVX-512 variants run the same integer sums and fp32 operations lane for
+ * lane (the same bits). d and dmin enter once per super-block, not as d · sc and dmin · m per group,
+ * which takes the per-group products off the fp32 steps (and on AVX2, where the multiplier rides in
+ * the widening vpmaddwd, a product per row and group): on a Zen/Zen+ the 1.5B's 1-token pass ran
+ * 1.05x faster (docs/PERFORMANCE_LOG.md).
  *
  * Layout (kernels.pack_int4), 16 output columns per block, zero past N:
  *   wp (ceil(N/16), K/32, 4, 16) uint32: for block b, group g, chunk j (k = 32g + 8j … 32g + 8j + 7),
@@ -85,9 +91,11 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
                         const uint8_t *gs, const uint16_t *ss, float *y, long N, long G, long b) {  \
         const __m512i lo4 = _mm512_set1_epi32(0x0F0F0F0F);                                        \
         const long S = (G + 7) / 8;                                                               \
-        __m512 acc[MM];                                                                           \
+        __m512 acc[MM], sa[MM], sm[MM];             /* sa, sm: the super-block's A and B */     \
         for (int m = 0; m < MM; m++) acc[m] = _mm512_setzero_ps();                                \
         for (long g = 0; g < G; g++) {                                                            \
+            if (g % 8 == 0)                                                                       \
+                for (int m = 0; m < MM; m++) sa[m] = sm[m] = _mm512_setzero_ps();                 \
             __m512i isum[MM];                                                                     \
             for (int m = 0; m < MM; m++) isum[m] = _mm512_setzero_si512();                        \
             const uint32_t *wg = wp + (b * G + g) * 64;                                          \
@@ -105,16 +113,22 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
                 }                                                                                 \
             }                                                                                     \
             const uint8_t *gg = gs + (b * G + g) * 32;                                            \
-            const uint16_t *sg = ss + (b * S + g / 8) * 32;                                       \
-            __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg)),   \
-                                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)gg)))); \
-            __m512 mv = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(),                          \
-                                                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sg + 16)))), \
-                                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(gg + 16))))); \
-            for (int m = 0; m < MM; m++) {                                                        \
-                __m512 t = _mm512_mul_ps(s, _mm512_set1_ps(s8[m * G + g]));                       \
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), t, acc[m]);                 \
-                acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[m * G + g]), acc[m]);              \
+            __m512 scf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)gg))); \
+            __m512 mf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(gg + 16)))); \
+            for (int m = 0; m < MM; m++) {        /* float(I) · float(sc) is I · sc, exact */          \
+                __m512 isc = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), scf);                     \
+                sa[m] = _mm512_fmadd_ps(isc, _mm512_set1_ps(s8[m * G + g]), sa[m]);               \
+                sm[m] = _mm512_fmadd_ps(mf, _mm512_set1_ps(xs[m * G + g]), sm[m]);                \
+            }                                                                                     \
+            if (g % 8 == 7 || g == G - 1) {                      /* the super-block's d and −dmin */ \
+                const uint16_t *sg = ss + (b * S + g / 8) * 32;                                   \
+                __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));            \
+                __m512 ndmin = _mm512_sub_ps(_mm512_setzero_ps(),                                 \
+                                             _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sg + 16)))); \
+                for (int m = 0; m < MM; m++) {                                                    \
+                    acc[m] = _mm512_fmadd_ps(dv, sa[m], acc[m]);                                  \
+                    acc[m] = _mm512_fmadd_ps(ndmin, sm[m], acc[m]);                               \
+                }                                                                                 \
             }                                                                                     \
         }                                                                                         \
         long c = 16 * b, left = N - c;                                                            \
@@ -125,9 +139,7 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
 /* One 16-column block for MM rows as two halves of 8 columns (ymm lanes); up to NH4 rows take both
    halves in one sweep over the groups (two independent accumulator chains per row, each group's
    scales loaded once), more rows one half per sweep (their accumulators would not fit in registers).
-   Either way each column lane sees the same operations in the same order. A super-block's fp16 d and
-   dmin are widened once for its 8 groups, not per group: the same values, and a 1-row call, whose
-   fp32 steps are not shared by other rows, ~8 % faster on a Zen/Zen+ (docs/PERFORMANCE_LOG.md). */
+   Either way each column lane sees the same operations in the same order. */
 #ifndef NH4
 #define NH4 3
 #endif
@@ -135,22 +147,20 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
     static void q4_##MM(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp, \
                         const uint8_t *gs, const uint16_t *ss, float *y, long N, long G, long b) {  \
         enum { NH = (MM) <= NH4 ? 2 : 1 };                                                       \
-        const __m256i lo4 = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);          \
+        const __m256i lo4 = _mm256_set1_epi32(0x0F0F0F0F);                                       \
+        /* byte c of 8 scales -> 16-bit lanes 2c and 2c + 1 (column c's (sc, sc) pair) */          \
+        const __m256i pairs = _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1, \
+                                               4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7, -1); \
         const long S = (G + 7) / 8;                                                               \
         for (int h0 = 0; h0 < 2; h0 += NH) {                                                      \
-            __m256 acc[NH][MM];                                                                   \
+            __m256 acc[NH][MM], sa[NH][MM], sm[NH][MM];   /* sa, sm: the super-block's A and B */ \
             for (int h = 0; h < NH; h++)                                                          \
                 for (int m = 0; m < MM; m++) acc[h][m] = _mm256_setzero_ps();                     \
-            __m256 dv[NH], ndmin[NH];    /* the super-block's d and −dmin, converted once */    \
             for (long g = 0; g < G; g++) {                                                        \
                 const uint32_t *wb = wp + (b * G + g) * 64;                                      \
                 if (g % 8 == 0)                                                                   \
-                    for (int h = 0; h < NH; h++) {                                                \
-                        const uint16_t *sg = ss + (b * S + g / 8) * 32 + 8 * (h0 + h);            \
-                        dv[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));            \
-                        ndmin[h] = _mm256_sub_ps(_mm256_setzero_ps(),                             \
-                                                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 16)))); \
-                    }                                                                             \
+                    for (int h = 0; h < NH; h++)                                                  \
+                        for (int m = 0; m < MM; m++) sa[h][m] = sm[h][m] = _mm256_setzero_ps();   \
                 if (h0 == 0) {                                   /* the second sweep re-reads */  \
                     _mm_prefetch((const char *)(wb + PF4 * 64), _MM_HINT_T1);                     \
                     _mm_prefetch((const char *)(wb + PF4 * 64 + 16), _MM_HINT_T1);                \
@@ -173,15 +183,27 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
                     }                                                                             \
                 for (int h = 0; h < NH; h++) {                                                    \
                     const uint8_t *gg = gs + (b * G + g) * 32 + 8 * (h0 + h);                     \
-                    __m256 s = _mm256_mul_ps(dv[h], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)gg)))); \
-                    __m256 mv = _mm256_mul_ps(ndmin[h], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gg + 16))))); \
-                    for (int m = 0; m < MM; m++) {                                                \
-                        __m256i isum = _mm256_madd_epi16(psum[h][m], ones);                       \
-                        __m256 t = _mm256_mul_ps(s, _mm256_set1_ps(s8[m * G + g]));               \
-                        acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), t, acc[h][m]);      \
-                        acc[h][m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[m * G + g]), acc[h][m]); \
+                    int64_t scb;                                                                  \
+                    memcpy(&scb, gg, sizeof scb);                                                 \
+                    __m256i scp = _mm256_shuffle_epi8(_mm256_set1_epi64x(scb), pairs);            \
+                    __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gg + 16)))); \
+                    for (int m = 0; m < MM; m++) {     /* vpmaddwd widens the pair sums to I · sc */ \
+                        __m256i isc = _mm256_madd_epi16(psum[h][m], scp);                         \
+                        sa[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc), _mm256_set1_ps(s8[m * G + g]), sa[h][m]); \
+                        sm[h][m] = _mm256_fmadd_ps(mf, _mm256_set1_ps(xs[m * G + g]), sm[h][m]);  \
                     }                                                                             \
                 }                                                                                 \
+                if (g % 8 == 7 || g == G - 1)                  /* the super-block's d and −dmin */ \
+                    for (int h = 0; h < NH; h++) {                                                \
+                        const uint16_t *sg = ss + (b * S + g / 8) * 32 + 8 * (h0 + h);            \
+                        __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));        \
+                        __m256 ndmin = _mm256_sub_ps(_mm256_setzero_ps(),                         \
+                                                     _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 16)))); \
+                        for (int m = 0; m < MM; m++) {                                            \
+                            acc[h][m] = _mm256_fmadd_ps(dv, sa[h][m], acc[h][m]);                 \
+                            acc[h][m] = _mm256_fmadd_ps(ndmin, sm[h][m], acc[h][m]);              \
+                        }                                                                         \
+                    }                                                                             \
             }                                                                                     \
             for (int h = 0; h < NH; h++) store_cols8(y, N, 16 * b + 8 * (h0 + h), acc[h], MM);     \
         }                                                                                         \
