@@ -54,9 +54,10 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
                         const int8_t *sc, const uint16_t *ds, float *y, long N, long G, long b) {   \
         const __m512i lo4 = _mm512_set1_epi32(0x0F0F0F0F), hi2 = _mm512_set1_epi32(0x30303030);  \
         const long S = (G + 7) / 8, H = 2 * G;                                                    \
-        __m512 acc[MM];                                                                           \
+        __m512 acc[MM], dv;                              /* dv: the super-block's d */          \
         for (int m = 0; m < MM; m++) acc[m] = _mm512_setzero_ps();                                \
         for (long g = 0; g < G; g++) {                                                            \
+            if (g % 8 == 0) dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ds + (b * S + g / 8) * 16))); \
             const uint32_t *wg = wp + (b * G + g) * W6;                                          \
             for (int l = 0; l < 6; l++) _mm_prefetch((const char *)(wg + PF6 * W6 + 16 * l), _MM_HINT_T1); \
             __m512i isum[2][MM];        /* I − 32 Q of each half-group: the sums start at −32 Q */ \
@@ -81,7 +82,6 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
             const int8_t *sg = sc + (b * G + g) * 32;                                             \
             __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sg));             \
             __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sg + 16)));      \
-            __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ds + (b * S + g / 8) * 16))); \
             __m512 sc0f = _mm512_cvtepi32_ps(sc0), sc1f = _mm512_cvtepi32_ps(sc1);                \
             for (int m = 0; m < MM; m++) {  /* J in fp32: sc1 · I1' exact, one rounding of the sum */ \
                 __m512 jf = _mm512_fmadd_ps(sc0f, _mm512_cvtepi32_ps(isum[0][m]),                \
@@ -96,8 +96,8 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
     }
 #else
 /* One 16-column block for MM rows as two halves of 8 columns (ymm lanes); up to NH6 rows take both
-   halves in one sweep over the groups, more rows one half per sweep; a super-block's d widened once
-   for its 8 groups (as gemm4.c). */
+   halves in one sweep over the groups, more rows one half per sweep. In both variants a super-block's
+   d is widened once for its 8 groups, not per group (the same values). */
 #ifndef NH6
 #define NH6 2
 #endif
