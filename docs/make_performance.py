@@ -456,9 +456,14 @@ OTHER_KINDS = {"avx2": "An AVX2-only machine", "zen1": "A Zen/Zen+ EPYC: AVX2 on
 
 def for_kind(lines: list[str], kind: str) -> list[str]:
     """A section rendered for docs/results/<kind>/: its headings one level down, its paths into <kind>/
-    (a command recorded with the <kind>/ path already in it keeps it)."""
-    into = re.compile(rf"(docs/results/|\(results/)(?!{re.escape(kind)}/)")
-    return [into.sub(rf"\g<1>{kind}/", "#" + line if line.startswith("#") else line) for line in lines]
+    where that kind has the file (a command recorded with the <kind>/ path already in it keeps it; a
+    report measured only on the reference machine, such as the heads' runs, stays linked there)."""
+    into = re.compile(rf"(docs/results/|\(results/)(?!{re.escape(kind)}/)([\w.-]+)")
+
+    def move(m: re.Match) -> str:
+        return f"{m[1]}{kind}/{m[2]}" if (RESULTS / kind / m[2]).exists() else m[0]
+
+    return [into.sub(move, "#" + line if line.startswith("#") else line) for line in lines]
 
 
 def kind_section(kind: str, title: str) -> list[str]:
