@@ -25,7 +25,7 @@ import torch
 from verispec.models.runner import ModelRunner
 from verispec.models import Transformer
 from verispec.proposers.base import Proposal, Proposer, register
-from verispec.sampling import sample_from, warp_probs
+from verispec.sampling import argmax, sample_from, warp_probs
 
 
 # A row's drafting stops after a step whose largest probability is below this (measured on the bundled
@@ -119,7 +119,7 @@ class DraftModelProposer(Proposer):
                 self.runner.cache.set_length(seqs[j].slot, self.runner.length(seqs[j].slot) + len(c))
             # Python lists between passes where they will do: right after a pass every small torch op
             # costs tens of microseconds (its code and data were evicted by the weights).
-            picked = logits[:, 0].argmax(-1)                                      # (A,)
+            picked = argmax(logits[:, 0])                                         # (A,)
             if q is not None:
                 a = torch.tensor(active)
                 probs = warp_probs(logits, temp[a], top_k[a], top_p[a])[:, 0]    # (A, V or N)

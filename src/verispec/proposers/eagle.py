@@ -17,7 +17,7 @@ import torch
 from verispec.heads.eagle import EagleHead
 from verispec.models import Transformer
 from verispec.proposers.state_draft import StateDrafter
-from verispec.sampling import sample_from, warp_probs
+from verispec.sampling import argmax, sample_from, warp_probs
 
 
 class EagleProposer(StateDrafter):
@@ -63,7 +63,7 @@ class EagleProposer(StateDrafter):
                 if d >= ks[j]:
                     continue
                 if s.params.greedy:             # greedy acceptance compares tokens only; q stays unused
-                    drafted[row] = logits[row].argmax()
+                    drafted[row] = argmax(logits[row])
                 else:
                     p = s.params
                     probs = warp_probs(logits[row][None, None], torch.tensor([p.temperature]),

@@ -18,7 +18,7 @@ from verispec.models import Transformer
 from verispec.proposers.base import Proposer, register
 from verispec.proposers.eagle import EagleProposer
 from verispec.proposers.state_draft import StateDrafter
-from verispec.sampling import sample_from, warp_probs
+from verispec.sampling import argmax, sample_from, warp_probs
 
 
 @register("head")
@@ -48,7 +48,7 @@ class HeadProposer(StateDrafter):
         for row, j in enumerate(active):
             s, k = seqs[j], ks[j]
             if s.params.greedy:                 # greedy acceptance compares tokens only; q stays unused
-                tokens[j, :k] = self.vocab[logits[row, :k].argmax(-1)]
+                tokens[j, :k] = self.vocab[argmax(logits[row, :k])]
                 continue
             probs = warp_probs(logits[row, :k][None], torch.tensor([s.params.temperature]),
                                torch.tensor([s.params.top_k]), torch.tensor([s.params.top_p]))[0]   # (k, N)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.sampling.greedy import argmax
+
 
 @dataclass
 class AcceptanceResult:
@@ -54,7 +56,7 @@ def accept_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                   num_draft: torch.Tensor) -> AcceptanceResult:
     """target_logits (B, K+1, V), draft_tokens (B, K), num_draft (B,) -> result."""
     b, k = draft_tokens.shape
-    best = target_logits.argmax(dim=-1)                                          # (B, K+1)
+    best = argmax(target_logits)                                                 # (B, K+1)
     match = (draft_tokens == best[:, :k]) & _valid(num_draft, k)
     n = _leading_true(match)                                                     # (B,)
     # Accepted drafts equal argmax, so the emitted block is argmax[0 … n].

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.sampling.acceptance import inverse_cdf
+from verispec.sampling.greedy import argmax
 
 
 @dataclass
@@ -61,7 +62,7 @@ def accept_branches(branches: list[list[int]], scores: list[torch.Tensor], greed
                 children.append(branches[j][depth])
         follow, final = None, None
         if greedy:
-            best = int(row.argmax())
+            best = int(argmax(row))
             follow, final = (best, None) if best in children else (None, best)
         else:
             r = row.double().clone()
