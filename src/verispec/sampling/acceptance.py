@@ -91,11 +91,13 @@ def accept_sampling(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor
     rows = torch.arange(b, device=p.device)
     p_n = p[rows, n]                                                              # (B, V)
     rejected = n < num_draft
-    q_n = torch.zeros_like(p_n)
-    q_n[rejected] = q[rows[rejected], n[rejected]]
-    residual = (p_n - q_n).clamp_min(0)
-    empty = residual.sum(-1) <= 0                     # p == q up to rounding: the residual is empty
-    dist = torch.where((rejected & ~empty)[:, None], residual, p_n)
+    dist = p_n
+    if bool(rejected.any()):                         # no row rejected (plain sampling): p_n as it is
+        q_n = torch.zeros_like(p_n)
+        q_n[rejected] = q[rows[rejected], n[rejected]]
+        residual = (p_n - q_n).clamp_min(0)
+        empty = residual.sum(-1) <= 0                 # p == q up to rounding: the residual is empty
+        dist = torch.where((rejected & ~empty)[:, None], residual, p_n)
     final = inverse_cdf(dist, u_final)                                            # (B,)
 
     tokens = torch.full((b, k + 1), -1, dtype=torch.long, device=p.device)
