@@ -1,7 +1,7 @@
 """The greedy choice: the index of the largest score along the last dimension.
 
 torch's CPU argmax reads about 0.65 G values/s, so a 151,936-token row of logits took ~230 µs on a
-Zen/Zen+ core, about half of everything the engine does per token outside the target's pass. NumPy's
+Zen/Zen+ core, about a quarter of what the engine did per token outside the target's pass. NumPy's
 argmax is vectorized per ISA and took ~32 µs on the same row. It picks the same index: the first
 occurrence of the largest value, a NaN counting as largest, +0 and −0 equal.
 """

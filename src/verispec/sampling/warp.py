@@ -53,7 +53,6 @@ def warp_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     return torch.softmax(logits, dim=-1)
 
 
-
 def sample_from(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row of probs (B, V), row b drawn with generators[b] (the request's own)."""
     from verispec.sampling.acceptance import inverse_cdf, uniforms
