@@ -42,6 +42,34 @@ def test_bench_on_tiny_pair(tmp_path):
     assert all(p.stat().st_size > 1000 for p in paths)
 
 
+def test_top_k_and_top_p_reach_every_sampled_run(tmp_path):
+    """top_k = 1 leaves one token to sample: every mode's runs at T = 1.5 are then the greedy answer, and
+    the peers are handed the same truncation. Without the pass-through the hot random pair wanders off."""
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text('{"id": "a", "category": "x", "prompt_ids": [1, 2, 3, 1, 2]}\n'
+                     '{"id": "b", "category": "y", "prompt_ids": [5, 6, 5]}\n')
+
+    class Peer:
+        label, proposer, k, seen = "fake peer", "peer", 0, []
+
+        def generate(self, prompt_ids, temperature, max_tokens, seed, top_k=0, top_p=1.0):
+            self.seen.append((temperature, top_k, top_p))
+            return [{"token_ids": [1], "generated_tokens": 1}]
+
+    peer = Peer()
+    result = run_bench(loaded(tiny_model(0, scale=1.5)), loaded(tiny_model(1, scale=1.5, num_layers=1)),
+                       load_suite(suite), parse_modes(["draft", "ngram"], [3]), [0.0, 1.5], max_tokens=12,
+                       repeats=1, progress=False, peers=[peer], top_k=1, top_p=0.9)
+    greedy = {r["prompt"]: r["token_ids"] for r in result["runs"] if r["temperature"] == 0 and r["mode"] == "plain"}
+    sampled = [r for r in result["runs"] if r["temperature"] == 1.5 and r["proposer"] != "peer"]
+    assert len(sampled) == 2 * 3 and all(r["token_ids"] == greedy[r["prompt"]] for r in sampled)
+    assert set(peer.seen[1:]) == {(0.0, 1, 0.9), (1.5, 1, 0.9)}           # after the warm-up call
+    assert result["sampling"] == {"top_k": 1, "top_p": 0.9}
+    assert "Sampling at T > 0: top_k 1, top_p 0.9." in format_markdown(result)
+    with pytest.raises(VerispecError, match="top_p"):
+        run_bench(None, None, [], [], [0.0], 4, 1, top_p=0.0)
+
+
 def test_speedup_is_the_median_of_ratios_paired_by_repeat():
     """Each repeat's mode/plain ratio is taken first (the two ran interleaved), then the median: a ratio
     of the two modes' median rates would mix repeats (here it would say 0.6x)."""
@@ -178,6 +206,7 @@ def test_llamacpp_peer_on_the_real_draft(real_pair):
     a = plain.generate([ids], 0.0, 12, 0)[0]
     b = lookup.generate([ids], 0.0, 12, 0)[0]
     assert a["generated_tokens"] == 12 and a["token_ids"] == b["token_ids"]
+    assert plain.generate([ids], 1.5, 12, 0, top_k=1)[0]["token_ids"] == a["token_ids"]   # top-k reaches llama.cpp
     assert "return a - b" in draft.tokenizer.decode(a["token_ids"])
 
 

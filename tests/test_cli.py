@@ -26,6 +26,8 @@ def private_cache(tmp_path, monkeypatch):
     (["generate", "--proposer", "retrieval", "--model", "MODEL", "hi"], "corpus"),
     (["generate", "--proposer", "none", "--model", "MODEL", "hi"], "tokenizer"),
     (["bench", "--ks", "0"], "--ks"),
+    (["bench", "--top-p", "1.5"], "top_p"),
+    (["bench", "--top-k", "-1"], "top_k"),
     (["profile", "--max-n", "1"], "--max-n"),
     (["verify", "--temperature", "0"], "temperature"),
 ])

@@ -54,14 +54,15 @@ class HFPeer:
     def label(self) -> str:
         return f"hf {self.kind}"
 
-    def generate(self, prompt_ids: list[list[int]], temperature: float, max_tokens: int, seed: int) -> list[dict]:
+    def generate(self, prompt_ids: list[list[int]], temperature: float, max_tokens: int, seed: int,
+                 top_k: int = 0, top_p: float = 1.0) -> list[dict]:
         outs = []
         for ids in prompt_ids:                   # transformers' assisted modes take one prompt at a time
             torch.manual_seed(seed)
             kw = dict(max_new_tokens=max_tokens, eos_token_id=self.stop_ids, pad_token_id=self.stop_ids[0],
                       do_sample=temperature > 0)
             if temperature > 0:
-                kw |= dict(temperature=temperature, top_k=0, top_p=1.0)
+                kw |= dict(temperature=temperature, top_k=top_k, top_p=top_p)
             if self.kind == "assisted":
                 kw["assistant_model"] = self.assistant
             elif self.kind == "lookup":
@@ -99,13 +100,14 @@ class LlamaCppPeer:
     def label(self) -> str:
         return f"llama.cpp {self.kind}"
 
-    def generate(self, prompt_ids: list[list[int]], temperature: float, max_tokens: int, seed: int) -> list[dict]:
+    def generate(self, prompt_ids: list[list[int]], temperature: float, max_tokens: int, seed: int,
+                 top_k: int = 0, top_p: float = 1.0) -> list[dict]:
         outs = []
         for ids in prompt_ids:
             self.llm.reset()                    # no KV reuse between prompts or repeats
             self.llm.set_seed(seed)
             new: list[int] = []
-            for tok in self.llm.generate(ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0,
+            for tok in self.llm.generate(ids, temp=temperature, top_k=top_k, top_p=top_p, min_p=0.0, typical_p=1.0,
                                          repeat_penalty=1.0):
                 if tok in self.stop_ids:
                     break

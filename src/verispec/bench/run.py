@@ -65,11 +65,13 @@ def parse_modes(modes: list[str], ks: list[int | str]) -> list[Mode]:
 def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[BenchPrompt], modes: list[Mode],
               temperatures: list[float], max_tokens: int, repeats: int, batch_sizes: list[int] = (1,),
               seed: int = 0, progress=True, peers: list | None = None, draft_vocab: int | str = "auto", head: str | None = None,
-              kv_dtype: str = "auto", draft_stop: float | str = "auto") -> dict:
+              kv_dtype: str = "auto", draft_stop: float | str = "auto", top_k: int = 0, top_p: float = 1.0) -> dict:
     """peers: HFPeer-like modes (bench/peers.py) run on the same prompts, interleaved, batch size 1.
+    top_k, top_p: the truncation every sampled run (T > 0) applies, verispec's modes and peers alike (0 and 1.0: off).
     progress: True (a line on stderr), False, or a callable (done, total, description).
     draft_vocab: the draft modes' truncated vocabulary ("auto", or N; 0 = full); kv_dtype: every mode's KV cache format;
     draft_stop: the draft model's early stop (proposers/draft.py)."""
+    SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)   # bad values fail before any run
     if head is None and any(m.needs_heads for m in modes):
         from verispec.heads import shipped_heads
 
@@ -101,7 +103,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
                     for mode in modes[shift:] + modes[:shift]:
                         # No seed: sampled runs then use the measured-cost K policy, what users get by default
                         # (a seeded request follows the fixed-cost schedule, see KPolicy.choose).
-                        params = SamplingParams(temperature=temp, max_tokens=max_tokens)
+                        params = SamplingParams(temperature=temp, max_tokens=max_tokens, top_k=top_k, top_p=top_p)
                         llms[mode].clear_prefix_cache()          # every repeat prefills its prompt, as peers do
                         t = time.perf_counter()
                         outs = llms[mode].generate([texts[i] for i in group], params)
@@ -119,7 +121,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
                     for peer in peers:
                         for i in group:
                             t = time.perf_counter()
-                            o = peer.generate([prompt_ids[i]], temp, max_tokens, seed + rep)[0]
+                            o = peer.generate([prompt_ids[i]], temp, max_tokens, seed + rep, top_k=top_k, top_p=top_p)[0]
                             runs.append({"prompt": prompts[i].id, "category": prompts[i].category,
                                          "mode": peer.label, "proposer": "peer", "k": 0, "temperature": temp,
                                          "batch_size": bs, "repeat": rep, "wall_s": time.perf_counter() - t,
@@ -131,7 +133,8 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
         print(file=sys.stderr)
     kv = plain_llm.kv_dtype or target.model.dtype                 # what `auto` resolved to, for the record
     return {"environment": {**environment(), "kv_cache": str(kv).removeprefix("torch.")}, "costs": costs, "runs": runs,
-            "summary": summarize(runs, modes + peers, costs), "max_tokens": max_tokens}
+            "summary": summarize(runs, modes + peers, costs), "max_tokens": max_tokens,
+            "sampling": {"top_k": top_k, "top_p": top_p}}
 
 
 def _progress(show, done: int, total: int, temp: float, bs: int, label: str, prompt: str) -> None:
@@ -295,6 +298,14 @@ def machine_line(env: dict) -> str:
     return f"CPU {env['cpu_model']}{core} ({' '.join(env.get('cpu_flags', [])) or 'no AVX2'}), kernel: {kernel}{kv}"
 
 
+def sampling_line(result: dict) -> str:
+    """What the sampled runs (T > 0) kept of each distribution (records without the field sampled it whole)."""
+    sampling = result.get("sampling") or {}
+    top_k, top_p = sampling.get("top_k", 0), sampling.get("top_p", 1.0)
+    kept = [f"top_k {top_k}"] * bool(top_k) + [f"top_p {top_p}"] * (top_p < 1.0)
+    return f"Sampling at T > 0: {', '.join(kept) if kept else 'the whole distribution (no top-k, no top-p)'}."
+
+
 def format_markdown(result: dict) -> str:
     """A self-contained report: command, environment, measured costs and the summary table."""
     env, c = result["environment"], result["costs"]
@@ -302,6 +313,7 @@ def format_markdown(result: dict) -> str:
            f"Command: `{result.get('command', 'verispec bench')}`", "",
            f"Environment: verispec {env['verispec']}, torch {env['torch']}, Python {env['python']}, "
            f"{env['threads']} threads, {env['platform']}, {machine_line(env)}", "",
+           *([sampling_line(result), ""] if any(r["temperature"] > 0 for r in result["runs"]) else []),
            "## Measured costs", "",
            "| n tokens in one target pass | c_p(n) ms | c_p(n) / c_p(1) |", "| --- | --- | --- |"]
     for n, v in c["c_p"].items():

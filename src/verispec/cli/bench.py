@@ -42,6 +42,11 @@ def add_parser(sub) -> None:
                    "each draft (/b0: chains only; default: as many as pay, chosen from measured costs)")
     p.add_argument("--ks", default="4", help="comma-separated K values, integers or 'auto' (default 4)")
     p.add_argument("--temperatures", default="0", help="comma-separated temperatures (default 0)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sampled runs (T > 0) keep the K most likely tokens, in every mode and peer (default 0: off)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sampled runs (T > 0) keep the fewest tokens holding this much probability, in every mode "
+                        "and peer (default 1.0: off)")
     p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (default 1)")
     p.add_argument("--repeats", type=int, default=1, help="repeats per prompt; medians are reported (default 1)")
     p.add_argument("--json", dest="json_file", default=None, help="write every raw number to this file")
@@ -64,6 +69,9 @@ def run(args) -> int:
 
     if args.max_tokens < 1 or args.repeats < 1 or (args.limit is not None and args.limit < 1):
         raise VerispecError("--max-tokens, --repeats and --limit must be positive")
+    from verispec.engine.params import SamplingParams
+
+    SamplingParams(temperature=1.0, top_k=args.top_k, top_p=args.top_p)     # bad values fail before loading
     ks = [k if k == "auto" else _ints(k)[0] for k in args.ks.split(",") if k]
     if any(k != "auto" and not 1 <= k <= 64 for k in ks):
         raise VerispecError("--ks values must be 'auto' or in 1 … 64")
@@ -98,7 +106,7 @@ def run(args) -> int:
         result = run_bench(target, draft, prompts, modes, _floats(args.temperatures), args.max_tokens,
                            args.repeats, _ints(args.batch_sizes), peers=peers, progress=progress,
                            draft_vocab=args.draft_vocab, kv_dtype=args.kv_dtype, head=args.head,
-                           draft_stop=args.draft_stop)
+                           draft_stop=args.draft_stop, top_k=args.top_k, top_p=args.top_p)
     result["command"] = invocation()
     print_summary(result)
     if args.plot:
