@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from verispec.sampling import accept_greedy, accept_sampling
@@ -48,6 +49,27 @@ def test_empty_draft_is_plain_decoding():
     p = torch.softmax(one_hot_logits([4])[None], -1)
     s = accept_sampling(p, torch.zeros(1, 0, dtype=torch.long), None, torch.tensor([0]), [torch.Generator()])
     assert s.emitted(0) == [4]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_sampling_with_nothing_drafted_draws_from_p_as_a_round_with_drafts_would(shared):
+    """No drafts: each row's token is p_0 sampled with its generator's next uniform, one uniform taken —
+    the same token and the same stream as the rows of a round with drafts that all took K = 0."""
+    from verispec.sampling.acceptance import inverse_cdf
+
+    p = torch.softmax(torch.randn(3, 1, 500, generator=torch.Generator().manual_seed(0)) * 3, -1)
+    seeds = [7, 7, 7] if shared else [7, 8, 9]
+    gens = [torch.Generator().manual_seed(s) for s in dict.fromkeys(seeds)]
+    rows = [gens[0]] * 3 if shared else gens
+    twin = [torch.Generator().manual_seed(s) for s in dict.fromkeys(seeds)]
+    u = (torch.rand(3, 1, generator=twin[0])[:, 0] if shared
+         else torch.cat([torch.rand(1, generator=g) for g in twin]))
+    for _ in range(3):
+        r = accept_sampling(p, torch.zeros(3, 0, dtype=torch.long), None, torch.zeros(3, dtype=torch.long), rows)
+        assert r.num_accepted.tolist() == [0, 0, 0] and r.overlap.shape == (3, 0)
+        assert r.tokens[:, 0].tolist() == inverse_cdf(p[:, 0], u).tolist()
+        u = (torch.rand(3, 1, generator=twin[0])[:, 0] if shared
+             else torch.cat([torch.rand(1, generator=g) for g in twin]))
 
 
 def test_batch_rows_have_their_own_outcomes_and_ragged_lengths():

@@ -92,7 +92,24 @@ def test_ties_at_the_top_k_boundary_are_all_kept():
 def test_a_row_with_both_off_is_the_plain_softmax_beside_rows_that_warp():
     rows = torch.randn(3, 4, 3000, generator=torch.Generator().manual_seed(5)) * 2
     out = warp(rows, [(0.8, 10, 0.9), (0.8, 0, 1.0), (0.8, 0, 0.5)])
-    assert torch.equal(out[1], torch.softmax(rows[1] / 0.8, -1))
+    assert torch.equal(out[1], warp(rows[1:2], [(0.8, 0, 1.0)])[0])        # its neighbours change nothing
+    assert torch.allclose(out[1], torch.softmax(rows[1] / 0.8, -1), rtol=1e-5, atol=1e-9)
+    assert (out[1] > 0).all()
+
+
+@pytest.mark.parametrize("v", [3000, 151_936, 151_936 + 64])
+@pytest.mark.parametrize("k", [1, 5, 64, 512])
+def test_top_values_are_torch_topk_values(v, k):
+    """The chunked selection against torch.topk, on rows whose largest values crowd into one chunk, tie
+    across chunks, or sit in the vocabulary's last chunk; widths where it falls back to torch.topk too."""
+    from verispec.sampling.warp import _top_values
+
+    x = torch.randn(2, 3, v, generator=torch.Generator().manual_seed(v + k))
+    x[0, 0, 200:328] += 6.0                              # one chunk holds the best 128
+    x[0, 1, ::997] = 9.0                                 # ties spread over many chunks
+    x[1, 0, -100:] += 5.0                                # the best at the end of the row
+    x[1, 2, : v // 2] = float("-inf")
+    assert torch.equal(_top_values(x, k), torch.topk(x, k, dim=-1).values)
 
 
 def test_rows_ending_in_minus_infinity():

@@ -204,7 +204,7 @@ def _accept(seqs: list[Sequence], logits: torch.Tensor, proposal: Proposal, skip
         res = accept_greedy(logits[g], proposal.tokens[g], proposal.num_draft[g])
         num_accepted[g], tokens[g], overlap[g] = res.num_accepted, res.tokens, res.overlap
     if sampled:
-        idx = torch.tensor(sampled)
+        idx = slice(None) if len(sampled) == b else torch.tensor(sampled)     # every row: no copy of the logits
         ps = [seqs[i].params for i in sampled]
         p = warp_probs(logits[idx], torch.tensor([x.temperature for x in ps]),
                        torch.tensor([x.top_k for x in ps]), torch.tensor([x.top_p for x in ps]))

@@ -75,6 +75,10 @@ def accept_sampling(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor
     """
     b, k = draft_tokens.shape
     v = p.shape[-1]
+    if k == 0:                                      # nothing drafted (plain sampling): the bonus alone
+        _, u_final = _round_uniforms(generators, num_draft, 0, p.device)       # the uniforms drawn below
+        return AcceptanceResult(torch.zeros(b, dtype=torch.long), inverse_cdf(p[:, 0], u_final)[:, None],
+                                torch.zeros(b, 0, dtype=p.dtype, device=p.device))
     safe_tokens = draft_tokens.clamp(0, v - 1)
     if q is None:                                   # point mass: q = one-hot(x̃)
         q = torch.zeros(b, k, v, dtype=p.dtype, device=p.device)
