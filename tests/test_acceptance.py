@@ -72,6 +72,28 @@ def test_sampling_with_nothing_drafted_draws_from_p_as_a_round_with_drafts_would
              else torch.cat([torch.rand(1, generator=g) for g in twin]))
 
 
+def test_point_mass_drafts_are_one_hot_q_without_building_it():
+    """q = None (prompt lookup, greedy drafters) against the same drafts with q given as one-hot rows:
+    the same accepted counts, tokens (recovered ones included) and overlaps, bit for bit, from the same
+    generators — over rows that accept, reject, reject with p(x̃) = 0, and draft fewer than K."""
+    g = torch.Generator().manual_seed(1)
+    for trial in range(40):
+        b, k, v = 3, 4, 50
+        p = torch.softmax(torch.randn(b, k + 1, v, generator=g) * 2, -1)
+        drafts = torch.randint(0, v, (b, k), generator=g)
+        drafts[0] = p[0, :k].argmax(-1)                                     # likely accepted
+        p[1, 1, drafts[1, 1]] = 0.0                                         # certain rejection at position 1
+        p[1, 1] /= p[1, 1].sum()
+        num_draft = torch.tensor([k, k, 2])
+        one_hot = torch.zeros(b, k, v).scatter_(-1, drafts[..., None], 1.0)
+        seeds = [trial, trial + 100, trial + 200]
+        a = accept_sampling(p, drafts, None, num_draft, [torch.Generator().manual_seed(s) for s in seeds])
+        c = accept_sampling(p, drafts, one_hot, num_draft, [torch.Generator().manual_seed(s) for s in seeds])
+        assert torch.equal(a.num_accepted, c.num_accepted) and torch.equal(a.tokens, c.tokens)
+        assert torch.equal(a.overlap, c.overlap)
+        assert a.num_accepted[1] <= 1 and a.tokens[1, 1] != drafts[1, 1]
+
+
 def test_batch_rows_have_their_own_outcomes_and_ragged_lengths():
     r = greedy([[1, 2, 3, 4], [1, 2, 3, 4], [5, 5, 5, 5]],
                [[1, 2, 3], [0, 0, 0], [5, 5, 0]], num_draft=[3, 3, 1])

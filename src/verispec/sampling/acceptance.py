@@ -80,12 +80,10 @@ def accept_sampling(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor
         return AcceptanceResult(torch.zeros(b, dtype=torch.long), inverse_cdf(p[:, 0], u_final)[:, None],
                                 torch.zeros(b, 0, dtype=p.dtype, device=p.device))
     safe_tokens = draft_tokens.clamp(0, v - 1)
-    if q is None:                                   # point mass: q = one-hot(x̃)
-        q = torch.zeros(b, k, v, dtype=p.dtype, device=p.device)
-        q.scatter_(-1, safe_tokens[..., None], 1.0)
+    point = q is None                               # point mass: q = one-hot(x̃), never built
     valid = _valid(num_draft, k)                                                  # (B, K)
     p_tok = p[:, :k].gather(-1, safe_tokens[..., None]).squeeze(-1)               # (B, K)
-    q_tok = q.gather(-1, safe_tokens[..., None]).squeeze(-1)                      # (B, K)
+    q_tok = torch.ones_like(p_tok) if point else q.gather(-1, safe_tokens[..., None]).squeeze(-1)   # (B, K)
     u, u_final = _round_uniforms(generators, num_draft, k, p.device)             # (B, K), (B,)
     # u < min(1, p/q)  <=>  u·q < p  (q(x̃) > 0 whenever x̃ was drawn from q)
     accepted = (u * q_tok < p_tok) & valid
@@ -97,9 +95,13 @@ def accept_sampling(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor
     rejected = n < num_draft
     dist = p_n
     if bool(rejected.any()):                         # no row rejected (plain sampling): p_n as it is
-        q_n = torch.zeros_like(p_n)
-        q_n[rejected] = q[rows[rejected], n[rejected]]
-        residual = (p_n - q_n).clamp_min(0)
+        if point:                                    # max(0, p_n - one-hot(x̃_n)): p_n without x̃_n (p <= 1)
+            residual, out = p_n.clone(), rows[rejected]
+            residual[out, safe_tokens[out, n[out]]] = 0.0
+        else:
+            q_n = torch.zeros_like(p_n)
+            q_n[rejected] = q[rows[rejected], n[rejected]]
+            residual = (p_n - q_n).clamp_min(0)
         empty = residual.sum(-1) <= 0                 # p == q up to rounding: the residual is empty
         dist = torch.where((rejected & ~empty)[:, None], residual, p_n)
     final = inverse_cdf(dist, u_final)                                            # (B,)
@@ -107,7 +109,7 @@ def accept_sampling(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor
     tokens = torch.full((b, k + 1), -1, dtype=torch.long, device=p.device)
     tokens[:, :k] = torch.where(torch.arange(k)[None, :] < n[:, None], draft_tokens, -1)
     tokens[rows, n] = final
-    overlap = torch.minimum(p[:, :k], q).sum(-1) * valid
+    overlap = (p_tok if point else torch.minimum(p[:, :k], q).sum(-1)) * valid   # Σ min(p, one-hot(x̃)) = p(x̃)
     return AcceptanceResult(n, tokens, overlap)
 
 
