@@ -220,6 +220,22 @@ def costs_section(profile: dict | None) -> list[str]:
     return out
 
 
+def sampling_section(result: dict | None) -> list[str]:
+    out = ["### Choosing the token after the pass", ""]
+    if result is None:
+        return out + missing("what greedy and sampled token choice cost", "python docs/measure_sampling.py")
+    out += [f"Command: `python docs/measure_sampling.py` ({env_line(result)}). The 1.5B's logits at each of "
+            f"{result['positions']} positions of a fixed text ({result['vocab']:,} each) through what a round does "
+            "after its pass, timed alone: greedy takes the argmax; sampling warps the logits (temperature, top-k, "
+            "top-p) and draws from them; a verify round does either over K + 1 = "
+            f"{result['verify_k'] + 1} rows of logits with {result['verify_k']} drafts, all accepted. Medians of "
+            "alternated repeats, milliseconds.", ""]
+    rows = result["settings"]
+    out += table(["setting", "per token ms", "per verify round ms"],
+                 [[name, f(r["token_ms"], "%.2f"), f(r["verify_round_ms"], "%.2f")] for name, r in rows.items()])
+    return out + [""]
+
+
 def batch_section(bench: dict | None, current: dict | None = None) -> list[str]:
     out = ["## Batches", ""]
     if bench is None:
@@ -277,7 +293,11 @@ def llamacpp_section(bench: dict | None, current: dict | None = None) -> list[st
             cells = {r["category"]: r for r in rows if r["mode"] == m}
             body.append([m] + [f"{f(cells[c]['tokens_per_s'])} ({f(cells[c]['tokens_per_s'] / ref[c], '%.2fx')})"
                                if c in cells and ref.get(c) else "–" for c in cats])
-        out += [f"T = {t}: tokens/s (× llama.cpp plain)", ""] + table(["mode"] + cats, body) + [""]
+        sampling = bench.get("sampling") or {}                        # older records: the whole distribution
+        kept = ([f"top_k {sampling['top_k']}"] if sampling.get("top_k") else []) + \
+               ([f"top_p {sampling['top_p']}"] if sampling.get("top_p", 1.0) < 1.0 else [])
+        setting = f"T = {t}" + (f", {', '.join(kept)}" if t > 0 and kept else "")
+        out += [f"{setting}: tokens/s (× llama.cpp plain)", ""] + table(["mode"] + cats, body) + [""]
     return out
 
 
@@ -470,7 +490,7 @@ def kind_section(kind: str, title: str) -> list[str]:
     """Every measurement made on another machine kind: costs, prefill and decode against llama.cpp,
     whole answers against llama.cpp, the suite, the long copy, the weight formats."""
     loaded = [(fn, load(f"{kind}/{name}")) for fn, name in (
-        (costs_section, "profile.json"), (ttft_section, "llamacpp-ttft.json"), (llamacpp_section, "bench-llamacpp.json"),
+        (costs_section, "profile.json"), (sampling_section, "sampling.json"), (ttft_section, "llamacpp-ttft.json"), (llamacpp_section, "bench-llamacpp.json"),
         (suite_section, "bench-suite.json"), (longcopy_section, "bench-longcopy.json"), (formats_section, "formats.json"))]
     found = [(fn, result) for fn, result in loaded if result is not None]
     if not found:
@@ -498,6 +518,7 @@ def main() -> None:
     out += suite_section(suite)
     out += fixedk_section(load("bench-fixedk.json"), suite)
     out += costs_section(load("profile.json"))
+    out += sampling_section(load("sampling.json"))
     out += ksweep_section(load("bench-ksweep.json"), suite)
     out += batch_section(load("bench-batch.json"), suite)
     out += peer_section(load("bench-peer.json"), suite)

@@ -3,7 +3,7 @@
 # About two hours and a quarter on the reference machine (2 cores). Run from the repository root on a quiet machine.
 set -euo pipefail
 # The reference machine has AVX-512 (docs/results/); on an AVX2-only one run with R=docs/results/avx2 — the
-# page renders that directory's profile, llama.cpp, suite, long-copy and formats results as a section of
+# page renders that directory's profile, sampling, llama.cpp, suite, long-copy and formats results as a section of
 # their own (docs/make_performance.py, OTHER_KINDS).
 R=${R:-docs/results}
 mkdir -p "$R"
@@ -20,6 +20,8 @@ verispec bench --modes head,hybrid+head,ngram --ks auto,3 --temperatures 0,0.7 -
     --json $R/bench-eagle.json --markdown $R/bench-eagle.md
 # Costs of a target pass by width, and of each proposer.
 verispec profile --json $R/profile.json > $R/profile.txt
+# What choosing the token costs after the pass: greedy, sampled with top-k / top-p, a verify round.
+python docs/measure_sampling.py --out $R/sampling.json
 # Draft model K sweep (greedy) on a third of the suite.
 verispec bench --modes draft --ks 1,2,4,6 --temperatures 0 --limit 4 --max-tokens 32 \
     --json $R/bench-ksweep.json --markdown $R/bench-ksweep.md --plot $R/plots-ksweep
@@ -29,9 +31,10 @@ verispec bench --modes ngram --ks auto --batch-sizes 1,4 --limit 4 --max-tokens 
 # Hugging Face transformers on the same prompts and weights, in the same run.
 verispec bench --peer hf --modes ngram --ks auto --limit 3 --max-tokens 24 \
     --json $R/bench-peer.json --markdown $R/bench-peer.md
-# llama.cpp (llama-cpp-python, built from source once) on the same GGUF files and threads, whole suite.
+# llama.cpp (llama-cpp-python, built from source once) on the same GGUF files and threads, whole suite, greedy and
+# sampled as chat front ends sample (T = 0.7, top_p 0.95).
 python -c "import llama_cpp" 2>/dev/null || pip install -e '.[llamacpp]'
-verispec bench --peer llamacpp --modes ngram,hybrid --ks auto --max-tokens 64 \
+verispec bench --peer llamacpp --modes ngram,hybrid --ks auto --temperatures 0,0.7 --top-p 0.95 --max-tokens 64 \
     --json $R/bench-llamacpp.json --markdown $R/bench-llamacpp.md
 # A long copy: a 301-line file returned with one rename (about 5 minutes).
 verispec bench --prompts docs/prompts/long-copy.jsonl --modes ngram,hybrid --ks auto --temperatures 0 --max-tokens 4000 \
