@@ -28,6 +28,8 @@ def private_cache(tmp_path, monkeypatch):
     (["bench", "--ks", "0"], "--ks"),
     (["bench", "--top-p", "1.5"], "top_p"),
     (["bench", "--top-k", "-1"], "top_k"),
+    (["bench", "--temperatures", "0,-1"], "temperature"),
+    (["bench", "--temperatures", ","], "--temperatures"),
     (["profile", "--max-n", "1"], "--max-n"),
     (["verify", "--temperature", "0"], "temperature"),
 ])
@@ -60,3 +62,11 @@ def test_a_bad_draft_stop_is_refused_before_anything_loads(value, capsys):
         main(["generate", "--draft-stop", value, "hi"])
     assert stop.value.code == 2
     assert "--draft-stop" in capsys.readouterr().err
+
+
+def test_bench_says_when_top_k_and_top_p_have_no_sampled_run_to_apply_to(capsys):
+    assert main(["bench", "--top-p", "0.9", "--temperatures", "0", "--ks", "0"]) == 2    # stops before loading
+    err = capsys.readouterr().err
+    assert "apply to sampled runs only" in err and "--ks" in err
+    assert main(["bench", "--top-p", "0.9", "--temperatures", "0,0.7", "--ks", "0"]) == 2
+    assert "sampled runs only" not in capsys.readouterr().err

@@ -71,7 +71,14 @@ def run(args) -> int:
         raise VerispecError("--max-tokens, --repeats and --limit must be positive")
     from verispec.engine.params import SamplingParams
 
-    SamplingParams(temperature=1.0, top_k=args.top_k, top_p=args.top_p)     # bad values fail before loading
+    temperatures = _floats(args.temperatures)
+    if not temperatures:
+        raise VerispecError("--temperatures needs at least one value")
+    for t in temperatures:                                    # bad values fail before anything loads
+        SamplingParams(temperature=t, top_k=args.top_k, top_p=args.top_p)
+    if (args.top_k or args.top_p < 1.0) and not any(t > 0 for t in temperatures):
+        print("verispec: note: --top-k and --top-p apply to sampled runs only, and --temperatures has no T > 0",
+              file=sys.stderr)
     ks = [k if k == "auto" else _ints(k)[0] for k in args.ks.split(",") if k]
     if any(k != "auto" and not 1 <= k <= 64 for k in ks):
         raise VerispecError("--ks values must be 'auto' or in 1 … 64")
@@ -103,7 +110,7 @@ def run(args) -> int:
         peers += llamacpp_peers(target, target.tokenizer.stop_token_ids if target.tokenizer else [0],
                                 longest + args.max_tokens + 16, torch.get_num_threads())
     with progress_bar() as progress:
-        result = run_bench(target, draft, prompts, modes, _floats(args.temperatures), args.max_tokens,
+        result = run_bench(target, draft, prompts, modes, temperatures, args.max_tokens,
                            args.repeats, _ints(args.batch_sizes), peers=peers, progress=progress,
                            draft_vocab=args.draft_vocab, kv_dtype=args.kv_dtype, head=args.head,
                            draft_stop=args.draft_stop, top_k=args.top_k, top_p=args.top_p)
