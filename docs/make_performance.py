@@ -224,8 +224,8 @@ def sampling_section(result: dict | None) -> list[str]:
     out = ["### Choosing the token after the pass", ""]
     if result is None:
         return out + missing("what greedy and sampled token choice cost", "python docs/measure_sampling.py")
-    out += [f"Command: `python docs/measure_sampling.py --out docs/results/sampling.json` ({env_line(result)}). The 1.5B's logits at each of "
-            f"{result['positions']} positions of a fixed text ({result['vocab']:,} each) through what a round does "
+    out += [f"Command: `python docs/measure_sampling.py --out docs/results/sampling.json` ({env_line(result)}). "
+            f"The 1.5B's logits at each of {result['positions']} positions of a fixed text ({result['vocab']:,} each) through what a round does "
             "after its pass, timed alone: greedy takes the argmax; sampling warps the logits (temperature, top-k, "
             "top-p) and draws from them; a verify round does either over K + 1 = "
             f"{result['verify_k'] + 1} rows of logits with {result['verify_k']} drafts, all accepted. Medians of "
