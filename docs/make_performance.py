@@ -13,7 +13,7 @@ import json
 import re
 from pathlib import Path
 
-from verispec.bench.run import machine_line
+from verispec.bench.run import machine_line, truncation
 
 DOCS = Path(__file__).parent
 RESULTS = DOCS / "results"
@@ -293,10 +293,7 @@ def llamacpp_section(bench: dict | None, current: dict | None = None) -> list[st
             cells = {r["category"]: r for r in rows if r["mode"] == m}
             body.append([m] + [f"{f(cells[c]['tokens_per_s'])} ({f(cells[c]['tokens_per_s'] / ref[c], '%.2fx')})"
                                if c in cells and ref.get(c) else "–" for c in cats])
-        sampling = bench.get("sampling") or {}                        # older records: the whole distribution
-        kept = ([f"top_k {sampling['top_k']}"] if sampling.get("top_k") else []) + \
-               ([f"top_p {sampling['top_p']}"] if sampling.get("top_p", 1.0) < 1.0 else [])
-        setting = f"T = {t}" + (f", {', '.join(kept)}" if t > 0 and kept else "")
+        setting = f"T = {t}" + (f", {truncation(bench)}" if t > 0 and truncation(bench) else "")
         out += [f"{setting}: tokens/s (× llama.cpp plain)", ""] + table(["mode"] + cats, body) + [""]
     return out
 

@@ -2,7 +2,7 @@
 
     python docs/measure_sampling.py [--out docs/results/sampling.json]
 
-The 1.5B (default format) scores a fixed 150-token text once; every position's logits (151,936 of
+The 1.5B (default format) scores the formats' fixed text (~150 tokens) once; every position's logits (151,936 of
 them) then go through what a round does after its pass, timed alone:
 - greedy: `accept_greedy` with nothing drafted (the argmax);
 - sampled: `warp_probs` (temperature, top-k, top-p) then `accept_sampling` with nothing drafted (plain
@@ -63,7 +63,7 @@ def choose(logits: torch.Tensor, drafts: torch.Tensor, setting: tuple, generator
 
 
 def measure(logits: torch.Tensor, repeats: int) -> dict:
-    t, v = logits.shape
+    t = logits.shape[0]
     g = torch.Generator().manual_seed(0)
     nothing = torch.zeros(1, 0, dtype=torch.long)
     rounds = [logits[i:i + VERIFY_K + 1][None] for i in range(t - VERIFY_K)]                 # (1, K+1, V) each

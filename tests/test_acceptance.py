@@ -62,14 +62,12 @@ def test_sampling_with_nothing_drafted_draws_from_p_as_a_round_with_drafts_would
     gens = [torch.Generator().manual_seed(s) for s in dict.fromkeys(seeds)]
     rows = [gens[0]] * 3 if shared else gens
     twin = [torch.Generator().manual_seed(s) for s in dict.fromkeys(seeds)]
-    u = (torch.rand(3, 1, generator=twin[0])[:, 0] if shared
-         else torch.cat([torch.rand(1, generator=g) for g in twin]))
+    next_u = lambda: (torch.rand(3, 1, generator=twin[0])[:, 0] if shared                # (3,) a uniform per row
+                      else torch.cat([torch.rand(1, generator=g) for g in twin]))
     for _ in range(3):
         r = accept_sampling(p, torch.zeros(3, 0, dtype=torch.long), None, torch.zeros(3, dtype=torch.long), rows)
         assert r.num_accepted.tolist() == [0, 0, 0] and r.overlap.shape == (3, 0)
-        assert r.tokens[:, 0].tolist() == inverse_cdf(p[:, 0], u).tolist()
-        u = (torch.rand(3, 1, generator=twin[0])[:, 0] if shared
-             else torch.cat([torch.rand(1, generator=g) for g in twin]))
+        assert r.tokens[:, 0].tolist() == inverse_cdf(p[:, 0], next_u()).tolist()
 
 
 def test_point_mass_drafts_are_one_hot_q_without_building_it():

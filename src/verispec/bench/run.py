@@ -298,12 +298,16 @@ def machine_line(env: dict) -> str:
     return f"CPU {env['cpu_model']}{core} ({' '.join(env.get('cpu_flags', [])) or 'no AVX2'}), kernel: {kernel}{kv}"
 
 
-def sampling_line(result: dict) -> str:
-    """What the sampled runs (T > 0) kept of each distribution (records without the field sampled it whole)."""
+def truncation(result: dict) -> str:
+    """What the sampled runs (T > 0) kept of each distribution, e.g. 'top_k 40, top_p 0.95'; '' for the
+    whole distribution (so do records made before the field existed)."""
     sampling = result.get("sampling") or {}
     top_k, top_p = sampling.get("top_k", 0), sampling.get("top_p", 1.0)
-    kept = [f"top_k {top_k}"] * bool(top_k) + [f"top_p {top_p}"] * (top_p < 1.0)
-    return f"Sampling at T > 0: {', '.join(kept) if kept else 'the whole distribution (no top-k, no top-p)'}."
+    return ", ".join([f"top_k {top_k}"] * bool(top_k) + [f"top_p {top_p}"] * (top_p < 1.0))
+
+
+def sampling_line(result: dict) -> str:
+    return f"Sampling at T > 0: {truncation(result) or 'the whole distribution (no top-k, no top-p)'}."
 
 
 def format_markdown(result: dict) -> str:
