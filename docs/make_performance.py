@@ -390,6 +390,30 @@ def ttft_section(result: dict | None) -> list[str]:
     return out + [""]
 
 
+def llamacpp_cli_section(result: dict | None) -> list[str]:
+    out = ["### llama.cpp's own programs and its n-gram mode, answers in full", ""]
+    if result is None:
+        return out + missing("llama.cpp's command-line plain and n-gram modes on the code-editing prompts and the long copy",
+                             "python docs/measure_llamacpp_cli.py --bin LLAMA_CPP/build/bin")
+    programs = [k for k, v in result["summary"][0].items() if isinstance(v, dict)]
+    out += [f"Command: `{result['command']}` ({env_line(result)}). llama.cpp's `llama-completion` (plain) and "
+            "`llama-speculative-simple --spec-type ngram-simple --spec-draft-n-max 48` (12-token matches, drafts of up "
+            "to 48), built on the same machine with its native CPU flags, run the same GGUF file with the same threads, "
+            "greedy, beside verispec's plain decoding and its default mode; the four take turns. Each cell: decode "
+            "tokens/s as the program counts them (× llama.cpp's plain decode), the prefill in seconds, and the tokens "
+            "generated; medians over repeats. \"same\": the answers equal the same program's plain ones (llama.cpp's "
+            "answers may differ from verispec's, since the two compute with different numerics).", ""]
+    body = []
+    for s in result["summary"]:
+        base = s["llama.cpp plain"]["decode_tok_s"]
+        body.append([s["prompt"], s["prompt_tokens"]] + [
+            f"{f(s[p]['decode_tok_s'], '%.1f')} ({f(s[p]['decode_tok_s'] / base, '%.2fx')}), "
+            f"{f(s[p]['prefill_s'], '%.1f')} s, {s[p]['generated_tokens']:.0f} tok"
+            + ("" if p.endswith("plain") else f", {'same' if s[p]['same_text_as_own_plain'] else '**differs**'}")
+            for p in programs])
+    out += table(["prompt", "prompt tokens"] + programs, body)
+    return out + [""]
+
 def longcopy_section(bench: dict | None) -> list[str]:
     out = ["## A long copy: rewriting a 300-line file with one change", ""]
     if bench is None:
@@ -488,6 +512,7 @@ def kind_section(kind: str, title: str) -> list[str]:
     whole answers against llama.cpp, the suite, the long copy, the weight formats."""
     loaded = [(fn, load(f"{kind}/{name}")) for fn, name in (
         (costs_section, "profile.json"), (sampling_section, "sampling.json"), (ttft_section, "llamacpp-ttft.json"), (llamacpp_section, "bench-llamacpp.json"),
+        (llamacpp_cli_section, "llamacpp-cli.json"),
         (suite_section, "bench-suite.json"), (longcopy_section, "bench-longcopy.json"), (formats_section, "formats.json"))]
     found = [(fn, result) for fn, result in loaded if result is not None]
     if not found:
@@ -521,6 +546,7 @@ def main() -> None:
     out += peer_section(load("bench-peer.json"), suite)
     out += llamacpp_section(load("bench-llamacpp.json"), suite)
     out += ttft_section(load("llamacpp-ttft.json"))
+    out += llamacpp_cli_section(load("llamacpp-cli.json"))
     out += longcopy_section(load("bench-longcopy.json"))
     out += formats_section(load("formats.json"))
     out += kernel_section(load("kernel.json"))

@@ -36,6 +36,11 @@ verispec bench --peer hf --modes ngram --ks auto --limit 3 --max-tokens 24 \
 python -c "import llama_cpp" 2>/dev/null || pip install -e '.[llamacpp]'
 verispec bench --peer llamacpp --modes ngram,hybrid --ks auto --temperatures 0,0.7 --top-p 0.95 --max-tokens 64 \
     --json $R/bench-llamacpp.json --markdown $R/bench-llamacpp.md
+# llama.cpp's own programs (plain and its n-gram speculative mode) on the code-editing prompts and the long copy,
+# answers in full, when LLAMA_CPP_BIN names the bin/ directory of a llama.cpp build of your own (about 40 minutes).
+if [ -n "${LLAMA_CPP_BIN:-}" ]; then
+    python docs/measure_llamacpp_cli.py --bin "$LLAMA_CPP_BIN" --out $R/llamacpp-cli.json
+fi
 # A long copy: a 301-line file returned with one rename (about 5 minutes).
 verispec bench --prompts docs/prompts/long-copy.jsonl --modes ngram,hybrid --ks auto --temperatures 0 --max-tokens 4000 \
     --json $R/bench-longcopy.json --markdown $R/bench-longcopy.md
