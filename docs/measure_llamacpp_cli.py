@@ -124,9 +124,11 @@ def main() -> None:
         mine = [r for r in runs if r["prompt"] == prompt.id]
         med = {name: {key: statistics.median(r[key] for r in mine if r["program"] == name)
                       for key in ("prefill_s", "decode_tok_s", "generated_tokens")} for name in PROGRAMS}
-        for name in PROGRAMS:       # each program's answers against its own plain decoding's first (llama.cpp's numerics differ
-            own = next(r["text"].strip() for r in mine if r["program"] == name.split()[0] + " plain")   # from verispec's)
-            texts = [r["text"].strip() for r in mine if r["program"] == name]   # (the n-gram mode may run past --max-tokens)
+        # Each program's answers against its own plain decoding's first one (llama.cpp's numerics differ from
+        # verispec's); one may extend the other, as the n-gram mode can run past --max-tokens.
+        for name in PROGRAMS:
+            own = next(r["text"].strip() for r in mine if r["program"] == name.split()[0] + " plain")
+            texts = [r["text"].strip() for r in mine if r["program"] == name]
             med[name]["same_text_as_own_plain"] = all(t.startswith(own) or own.startswith(t) for t in texts)
         ours = next(r["text"].strip() for r in mine if r["program"] == "verispec plain")
         med["llama.cpp plain"]["same_text_as_verispec_plain"] = all(
