@@ -407,7 +407,7 @@ def llamacpp_cli_section(result: dict | None) -> list[str]:
     for s in result["summary"]:
         base = s["llama.cpp plain"]["decode_tok_s"]
         body.append([s["prompt"], s["prompt_tokens"]] + [
-            f"{f(s[p]['decode_tok_s'], '%.1f')} ({f(s[p]['decode_tok_s'] / base, '%.2fx')}), "
+            f"{f(s[p]['decode_tok_s'], '%.1f')} ({f(s[p]['decode_tok_s'] / base if base and s[p]['decode_tok_s'] else None, '%.2fx')}), "
             f"{f(s[p]['prefill_s'], '%.1f')} s, {s[p]['generated_tokens']:.0f} tok"
             + ("" if p.endswith("plain") else f", {'same' if s[p]['same_text_as_own_plain'] else '**differs**'}")
             for p in programs])

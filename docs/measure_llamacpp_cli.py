@@ -41,6 +41,12 @@ def number(pattern: str, text: str, what: str) -> float:
     return float(m[1])
 
 
+def answer_tokens(decoded: int, max_tokens: int) -> int:
+    """llama-speculative-simple's count without the end-of-text token, which it counts when it stops on one (it
+    stops on the limit only once past it)."""
+    return decoded - 1 if decoded <= max_tokens else decoded
+
+
 def llama(binary: Path, gguf: str, text: str, max_tokens: int, threads: int, ngram: bool) -> dict:
     # The prompt as given: -p, not -f (llama.cpp drops a prompt file's last newline, and a chat prompt ends in
     # "assistant\n"), and --no-escape (by default it turns the two characters \n of the code in a prompt into a newline).
@@ -54,16 +60,19 @@ def llama(binary: Path, gguf: str, text: str, max_tokens: int, threads: int, ngr
     if ngram:           # encoded / decoded lines of llama-speculative-simple (the decode starts at the prompt's last token)
         return {"prompt_tokens": int(number(r"encoded\s+(\d+) tokens", err, "prompt count")),
                 "prefill_s": number(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", err, "prompt time"),
-                "generated_tokens": int(number(r"decoded\s+(\d+) tokens", err, "token count")),
+                "generated_tokens": answer_tokens(int(number(r"decoded\s+(\d+) tokens", err, "token count")), max_tokens),
                 "decode_tok_s": number(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+)", err, "decode speed"),
                 "drafted": int(number(r"n_drafted\s*=\s*(\d+)", err, "draft count")),
                 "accepted": int(number(r"n_accept\s*=\s*(\d+)", err, "accept count")),
                 "text": done.stdout.split(text, 1)[1].rstrip() if text in done.stdout else None}   # after its echo of the prompt
     prompt_ms = number(r"prompt eval time\s*=\s*([\d.]+) ms", err, "prompt time")
-    eval_ms = number(r"\beval time\s*=\s*([\d.]+) ms", err.replace("prompt eval time", ""), "eval time")
-    runs = int(number(r"\beval time\s*=\s*[\d.]+ ms /\s*(\d+) runs", err.replace("prompt eval time", ""), "eval runs"))
+    decode = err.replace("prompt eval time", "")           # the generated tokens' "eval time" line alone
+    eval_ms = number(r"\beval time\s*=\s*([\d.]+) ms", decode, "eval time")
+    runs = int(number(r"\beval time\s*=\s*[\d.]+ ms /\s*(\d+) runs", decode, "eval runs"))
     return {"prompt_tokens": int(number(r"prompt eval time\s*=\s*[\d.]+ ms /\s*(\d+) tokens", err, "prompt count")),
-            "prefill_s": prompt_ms / 1e3, "generated_tokens": runs + 1,
+            # every sampled token but the last is evaluated once: the last is the end-of-text token (not counted) or the
+            # one that reached -n
+            "prefill_s": prompt_ms / 1e3, "generated_tokens": runs if "[end of text]" in done.stdout else runs + 1,
             "decode_tok_s": runs / (eval_ms / 1e3) if eval_ms > 0 else None,
             "text": done.stdout.replace("[end of text]", "").rstrip("\n")}
 
@@ -122,8 +131,11 @@ def main() -> None:
     summary = []
     for prompt, _, _ in jobs:
         mine = [r for r in runs if r["prompt"] == prompt.id]
-        med = {name: {key: statistics.median(r[key] for r in mine if r["program"] == name)
-                      for key in ("prefill_s", "decode_tok_s", "generated_tokens")} for name in PROGRAMS}
+        def median(name: str, key: str) -> float | None:   # None: no decode phase to time (a one-token answer)
+            values = [r[key] for r in mine if r["program"] == name and r[key] is not None]
+            return statistics.median(values) if values else None
+        med = {name: {key: median(name, key) for key in ("prefill_s", "decode_tok_s", "generated_tokens")}
+               for name in PROGRAMS}
         # Each program's answers against its own plain decoding's first one (llama.cpp's numerics differ from
         # verispec's); one may extend the other, as the n-gram mode can run past --max-tokens.
         for name in PROGRAMS:
@@ -138,10 +150,12 @@ def main() -> None:
     for s in summary:
         base = s["llama.cpp plain"]["decode_tok_s"]
         print(f"{s['prompt']:12s} decode × llama.cpp plain: " + ", ".join(
-            f"{name} {s[name]['decode_tok_s'] / base:.2f}x" for name in PROGRAMS))
+            f"{name} {s[name]['decode_tok_s'] / base:.2f}x" for name in PROGRAMS if base and s[name]["decode_tok_s"]))
     with open(args.out, "w") as f:
-        json.dump({"command": "python docs/measure_llamacpp_cli.py --bin LLAMA_CPP/build/bin " + " ".join(
-                       a for a in sys.argv[1:] if a != str(args.bin) and a != "--bin"),
+        options = [f"--out {args.out}"] + [f"--{flag} {value}" for flag, value, default in (
+            ("max-tokens", args.max_tokens, 512), ("repeats", args.repeats, 2)) if value != default]
+        json.dump({"command": " ".join(["python docs/measure_llamacpp_cli.py --bin LLAMA_CPP/build/bin", *options]
+                                       + ["--no-long-copy"] * args.no_long_copy),
                    "environment": environment(),
                    "llama_cpp": {"plain": "llama-completion -no-cnv --no-display-prompt --no-warmup --temp 0", "ngram": "llama-speculative-simple "
                                  "--spec-type ngram-simple --spec-draft-n-max 48 --temp 0",
