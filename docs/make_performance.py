@@ -269,6 +269,11 @@ def peer_section(bench: dict | None, current: dict | None = None) -> list[str]:
     return out + [""]
 
 
+def llamacpp_build_note(build: str | None) -> str:
+    """' llama.cpp's build: <package/version; the CPU features it was compiled for>.' where the record names it."""
+    return f" llama.cpp's build: {build}." if build else ""
+
+
 def llamacpp_section(bench: dict | None, current: dict | None = None) -> list[str]:
     out = ["## llama.cpp on the same files", ""]
     if bench is None:
@@ -282,7 +287,8 @@ def llamacpp_section(bench: dict | None, current: dict | None = None) -> list[st
             "and the rest int8 with 16-bit activations). Its prompt-lookup mode is `LlamaPromptLookupDecoding` "
             "(10 tokens), the only speculative mode the Python package has. Tokens/s include prefill; "
             "ratios are measured in the same run on the same prompts. Greedy outputs of llama.cpp differ "
-            "from ours where the two numerics pick different tokens.", ""]
+            "from ours where the two numerics pick different tokens."
+            + llamacpp_build_note(bench["environment"].get("peers", {}).get("llama.cpp plain")), ""]
     for t in sorted({r["temperature"] for r in bench["summary"]}):
         rows = [r for r in bench["summary"] if r["temperature"] == t and r["batch_size"] == 1]
         cats = sorted({r["category"] for r in rows if r["category"] != "all"}) + ["all"]
@@ -374,7 +380,7 @@ def ttft_section(result: dict | None) -> list[str]:
     out += [f"Command: `python docs/measure_llamacpp.py` ({result['environment']['threads']} threads, "
             f"{machine_line(result['environment'])}). Plain greedy decoding in verispec's default format; "
             f"time to first token (prefill) and tokens/s over the next {result['new_tokens']} tokens, each the "
-            "median of 3 alternated runs per prompt.", ""]
+            "median of 3 alternated runs per prompt." + llamacpp_build_note(result["environment"].get("llama_cpp")), ""]
     out += table(["prompt", "tokens", "TTFT llama.cpp s", "TTFT verispec s", "prefill × llama.cpp",
                   "decode llama.cpp tok/s", "decode verispec tok/s", "decode × llama.cpp"],
                  [[r["prompt"], r["prompt_tokens"], f(r["llama.cpp_ttft_s"], "%.3f"), f(r["verispec_ttft_s"], "%.3f"),
@@ -402,7 +408,8 @@ def llamacpp_cli_section(result: dict | None) -> list[str]:
             "greedy, beside verispec's plain decoding and its default mode; the four take turns. Each cell: decode "
             "tokens/s as the program counts them (× llama.cpp's plain decode), the prefill in seconds, and the tokens "
             "generated; medians over repeats. \"same\": the answers equal the same program's plain ones (llama.cpp's "
-            "answers may differ from verispec's, since the two compute with different numerics).", ""]
+            "answers may differ from verispec's, since the two compute with different numerics)."
+            + llamacpp_build_note(result["llama_cpp"].get("build")), ""]
     body = []
     for s in result["summary"]:
         base = s["llama.cpp plain"]["decode_tok_s"]
@@ -492,7 +499,8 @@ def verify_section(report: dict | None, current: dict | None = None) -> list[str
 
 
 # Other machine kinds: the same measurements in docs/results/<kind>/, rendered with the same sections.
-OTHER_KINDS = {"avx2": "An AVX2-only machine", "zen1": "A Zen/Zen+ EPYC: AVX2 on 128-bit units"}
+OTHER_KINDS = {"avx2": "An AVX2-only machine", "zen1": "A Zen/Zen+ EPYC: AVX2 on 128-bit units",
+               "xeon": "An Intel Xeon with AVX-512 VNNI, AVX512_BF16 and AMX"}
 
 
 def for_kind(lines: list[str], kind: str) -> list[str]:
@@ -533,7 +541,8 @@ def main() -> None:
            "machine) and then this script. The history of changes and what each did is in "
            "[PERFORMANCE_LOG.md](PERFORMANCE_LOG.md).", "",
            "Machines: 2 cores, 24 GiB, no GPU, 2 threads — a Zen 4 EPYC with AVX-512 VNNI (the reference), a Zen 2 "
-           "EPYC with AVX2 only, or a Zen/Zen+ EPYC whose AVX2 runs on 128-bit units (the last two sections); every section names the CPU, its vector extensions and the kernel build that "
+           "EPYC with AVX2 only, a Zen/Zen+ EPYC whose AVX2 runs on 128-bit units, or an Intel Xeon with AVX-512 VNNI, "
+           "AVX512_BF16 and AMX (the last three sections); every section names the CPU, its vector extensions and the kernel build that "
            "made it, and sections measured on another machine kind or an earlier build say so. Timings on "
            "shared machines are noisy: compare ratios measured in one run, not absolute times across runs.", ""]
     suite = load("bench-suite.json")

@@ -12,10 +12,12 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from verispec import LLM, SamplingParams, kernels
+from verispec.bench.peers import llamacpp_build, probe_llamacpp
 from verispec.bench.suites import load_suite
 from verispec.loaders.builtin import DEFAULT_TARGET, ensure_assembled
 
@@ -26,6 +28,7 @@ import llama_cpp  # noqa: E402  (the optional peer)
 
 path = str(ensure_assembled(DEFAULT_TARGET))
 threads = torch.get_num_threads()
+probe_llamacpp(Path(path), threads)          # a build that crashes on this CPU: an error, not a dead process
 L = llama_cpp.Llama(model_path=path, n_ctx=4096, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
 v = LLM(proposer="none")
 prompts = [(p.id, v.encode(p.render(v))) for p in load_suite(None)]
@@ -57,5 +60,6 @@ for pid, ids in prompts:
           f"({med['llama.cpp'][0] / med['verispec'][0]:.2f}x)  decode {med['llama.cpp'][1]:.1f} vs {med['verispec'][1]:.1f} tok/s "
           f"({med['verispec'][1] / med['llama.cpp'][1]:.2f}x)", flush=True)
 with open(args.out, "w") as f:
-    json.dump({"command": "python docs/measure_llamacpp.py", "environment": {"threads": threads, **kernels.machine()},
+    json.dump({"command": "python docs/measure_llamacpp.py", "environment": {"threads": threads, **kernels.machine(),
+                                                                   "llama_cpp": llamacpp_build()},
                "new_tokens": N, "rows": rows}, f, indent=1)

@@ -77,6 +77,20 @@ def llama(binary: Path, gguf: str, text: str, max_tokens: int, threads: int, ngr
             "text": done.stdout.replace("[end of text]", "").rstrip("\n")}
 
 
+def llama_build(binary: Path, gguf: str, threads: int) -> str:
+    """'<version line>; <the CPU features it was built with>', from a one-token run (which also brings the file
+    into the page cache before the timed runs)."""
+    done = subprocess.run([str(binary), "-m", gguf, "-p", "def f(x):", "-n", "1", "-t", str(threads), "-no-cnv", "--no-warmup"],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        sys.exit(f"{binary.name} failed ({done.returncode}) on a one-token run; a build using AMX_INT8 may crash in its "
+                 f"AMX matmul on some Xeons (ggml-org/llama.cpp#20824):\n{done.stderr[-3000:]}")
+    version = re.search(r"build: (.+)", done.stderr) or re.search(r"version: (.+)", done.stderr)
+    info = re.search(r"system_info:.*?\|(.*)", done.stderr)
+    features = [f.split("=")[0].strip() for f in (info[1] if info else "").split("|") if f.strip().endswith("= 1")]
+    return f"{version[1].strip() if version else 'version not reported'}; {' '.join(features) or 'features not reported'}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bin", required=True, type=Path, help="directory holding llama-completion and llama-speculative-simple")
@@ -105,6 +119,8 @@ def main() -> None:
         return {"prompt_tokens": o.prompt_tokens, "prefill_s": o.prefill_s, "generated_tokens": o.generated_tokens,
                 "decode_tok_s": o.tokens_per_s, "text": o.text, "spec": {k: o.spec.get(k) for k in ("rounds", "proposed", "accepted")}}
 
+    build = llama_build(binaries["llama-completion"], gguf, threads)
+    print(f"llama.cpp: {build}", flush=True)
     for llm in (plain, default):                 # first-use costs (kernel builds, the draft's load) outside the timings
         llm.generate([plain.encode("def f(x):")], SamplingParams(temperature=0, max_tokens=8))
     runs, turn = [], 0
@@ -159,7 +175,8 @@ def main() -> None:
                    "environment": environment(),
                    "llama_cpp": {"plain": "llama-completion -no-cnv --no-display-prompt --no-warmup --temp 0", "ngram": "llama-speculative-simple "
                                  "--spec-type ngram-simple --spec-draft-n-max 48 --temp 0",
-                                 "common": "-p PROMPT --no-escape -t THREADS -tb THREADS -c 8192 -b 4096 -ub 512"},
+                                 "common": "-p PROMPT --no-escape -t THREADS -tb THREADS -c 8192 -b 4096 -ub 512",
+                                 "build": build},
                    "summary": summary, "runs": runs}, f, indent=1)
     print(f"wrote {args.out}")
 

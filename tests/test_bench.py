@@ -50,7 +50,7 @@ def test_top_k_and_top_p_reach_every_sampled_run(tmp_path):
                      '{"id": "b", "category": "y", "prompt_ids": [5, 6, 5]}\n')
 
     class Peer:
-        label, proposer, k, seen = "fake peer", "peer", 0, []
+        label, proposer, k, build, seen = "fake peer", "peer", 0, "fake 1.0", []
 
         def generate(self, prompt_ids, temperature, max_tokens, seed, top_k=0, top_p=1.0):
             self.seen.append((temperature, top_k, top_p))
@@ -65,6 +65,7 @@ def test_top_k_and_top_p_reach_every_sampled_run(tmp_path):
     assert len(sampled) == 2 * 3 and all(r["token_ids"] == greedy[r["prompt"]] for r in sampled)
     assert set(peer.seen[1:]) == {(0.0, 1, 0.9), (1.5, 1, 0.9)}           # after the warm-up call
     assert result["sampling"] == {"top_k": 1, "top_p": 0.9}
+    assert result["environment"]["peers"] == {"fake peer": "fake 1.0"}      # which build the figures came from
     assert "Sampling at T > 0: top_k 1, top_p 0.9." in format_markdown(result)
     with pytest.raises(VerispecError, match="top_p"):
         run_bench(None, None, [], [], [0.0], 4, 1, top_p=0.0)
@@ -191,6 +192,25 @@ def test_llamacpp_peer_errors_say_what_to_do(tmp_path, monkeypatch):
         llamacpp_peers(gguf, [0], 64, 2)
     with pytest.raises(VerispecError, match="GGUF files only"):
         llamacpp_peers(LoadedModel("m", None, None, tmp_path / "dir", 0.0, False), [0], 64, 2)
+
+
+def test_a_llamacpp_build_that_crashes_ends_in_an_error_not_in_the_bench_s_death(tmp_path, monkeypatch):
+    """The probe runs llama.cpp in a child process: a child killed by a signal (as llama.cpp's AMX matmul
+    does on some Xeons) becomes an error naming the signal; a child that fails says why."""
+    import signal
+    import subprocess
+
+    from verispec.bench import peers
+
+    monkeypatch.setattr(peers, "llamacpp_build", lambda: "llama-cpp-python 0 (AVX2 AMX_INT8)")
+    for code, match in ((-signal.SIGSEGV, r"SIGSEGV.*AMX.*llama.cpp#20824"),
+                        (1, "could not run m.gguf: ValueError: Failed to load model")):
+        monkeypatch.setattr(peers.subprocess, "run", lambda *a, code=code, **k: subprocess.CompletedProcess(
+            a, code, "", "Traceback …\nValueError: Failed to load model\n"))
+        with pytest.raises(VerispecError, match=match):
+            peers.probe_llamacpp(tmp_path / "m.gguf", 2)
+    monkeypatch.setattr(peers.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "", ""))
+    peers.probe_llamacpp(tmp_path / "m.gguf", 2)                   # a build that runs passes
 
 
 @pytest.mark.real

@@ -15,6 +15,9 @@ those may differ, as it computes with the file's 4/6-bit blocks and 8-bit activa
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +52,7 @@ class HFPeer:
     stop_ids: list[int]
     proposer: str = "peer"
     k: int | str = 0
+    build: str = ""                # the package and version, for results files
 
     @property
     def label(self) -> str:
@@ -80,7 +84,14 @@ def hf_peers(target: LoadedModel, draft: LoadedModel | None, stop_ids: list[int]
     model = _load_hf(target)
     assistant = _load_hf(draft) if draft is not None else None
     kinds = [k for k in HF_MODES if k != "assisted" or assistant is not None]
-    return [HFPeer(k, model, assistant, stop_ids) for k in kinds]
+    return [HFPeer(k, model, assistant, stop_ids, build=hf_build()) for k in kinds]
+
+
+def hf_build() -> str:
+    """'transformers <version>', for results files."""
+    import transformers
+
+    return f"transformers {transformers.__version__}"
 
 
 LLAMACPP_MODES = ("plain", "lookup")
@@ -95,6 +106,7 @@ class LlamaCppPeer:
     stop_ids: list[int]
     proposer: str = "peer"
     k: int | str = 0
+    build: str = ""                # the package, version and CPU features llama.cpp was built with
 
     @property
     def label(self) -> str:
@@ -118,8 +130,48 @@ class LlamaCppPeer:
         return outs
 
 
+def llamacpp_build() -> str:
+    """'llama-cpp-python <version> (<the CPU features its llama.cpp was built with>)', for results files."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    features = [part.split("=")[0].strip() for part in info.replace("CPU :", "").split("|") if part.strip().endswith("= 1")]
+    return f"llama-cpp-python {llama_cpp.__version__} ({' '.join(features) or info.strip()})"
+
+
+# A few tokens through the file in a child process: a prompt-sized pass and a one-token step.
+_PROBE = ("import sys, llama_cpp\n"
+          "m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_batch=32, n_threads=int(sys.argv[2]), verbose=False)\n"
+          "ids = m.tokenize(b'def add(a, b):\\n    return a + b\\n')\n"
+          "m.eval(ids[:-1]); m.eval(ids[-1:])\n")
+
+
+def probe_llamacpp(path: Path, threads: int) -> None:
+    """Runs llama.cpp on the file once in a child process, so that a build which crashes on this CPU ends
+    in an error that names the signal and the way out, not in the death of the bench that loaded it (seen:
+    llama.cpp's AMX matmul on an AMX Xeon, ggml-org/llama.cpp#20824)."""
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE, str(path), str(threads)], capture_output=True, text=True,
+                           timeout=600)
+    except subprocess.TimeoutExpired:
+        raise VerispecError(f"llama.cpp did not get through the first tokens of {path.name} in 10 minutes") from None
+    if r.returncode < 0:
+        build = llamacpp_build()
+        way_out = ("its AMX matmul is the known cause (ggml-org/llama.cpp#20824): rebuild it without AMX, e.g. "
+                   "CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+                   "-DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON' pip install "
+                   "--force-reinstall --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36"
+                   if "AMX_INT8" in build else "rebuild it for this CPU, or report it to llama.cpp")
+        raise VerispecError(f"llama.cpp ({build}) died with {signal.Signals(-r.returncode).name} on its first "
+                            f"tokens of {path.name} on this CPU; {way_out}")
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no message"])[-1]
+        raise VerispecError(f"llama.cpp could not run {path.name}: {last}")
+
+
 def llamacpp_peers(target: LoadedModel, stop_ids: list[int], context: int, threads: int) -> list[LlamaCppPeer]:
-    """context: the longest prompt plus max_tokens (lookup keeps logits for every position)."""
+    """context: the longest prompt plus max_tokens (lookup keeps logits for every position). The file is
+    first run in a child process (`probe_llamacpp`)."""
     src = Path(target.source)
     if src.suffix != ".gguf":
         raise VerispecError(f"--peer llamacpp reads GGUF files only; {src} is not one")
@@ -129,8 +181,10 @@ def llamacpp_peers(target: LoadedModel, stop_ids: list[int], context: int, threa
     except ImportError:
         raise VerispecError("--peer llamacpp needs llama-cpp-python: pip install 'verispec[llamacpp]' "
                             "(it compiles llama.cpp once, about 10 minutes on 2 cores)") from None
+    probe_llamacpp(src, threads)
     common = dict(model_path=str(src), n_ctx=context, n_batch=min(context, 512), n_threads=threads,
                   n_threads_batch=threads, verbose=False)
-    return [LlamaCppPeer("plain", llama_cpp.Llama(**common), stop_ids),
+    build = llamacpp_build()
+    return [LlamaCppPeer("plain", llama_cpp.Llama(**common), stop_ids, build=build),
             LlamaCppPeer("lookup", llama_cpp.Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)),
-                         stop_ids)]
+                         stop_ids, build=build)]

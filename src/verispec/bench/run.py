@@ -132,7 +132,10 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
     if progress is True:
         print(file=sys.stderr)
     kv = plain_llm.kv_dtype or target.model.dtype                 # what `auto` resolved to, for the record
-    return {"environment": {**environment(), "kv_cache": str(kv).removeprefix("torch.")}, "costs": costs, "runs": runs,
+    env = {**environment(), "kv_cache": str(kv).removeprefix("torch.")}
+    if peers:
+        env["peers"] = {peer.label: peer.build for peer in peers}
+    return {"environment": env, "costs": costs, "runs": runs,
             "summary": summarize(runs, modes + peers, costs), "max_tokens": max_tokens,
             "sampling": {"top_k": top_k, "top_p": top_p}}
 
