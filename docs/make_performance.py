@@ -280,7 +280,7 @@ def llamacpp_section(bench: dict | None, current: dict | None = None) -> list[st
         return out + missing("llama.cpp peer", "bash docs/reproduce.sh (needs pip install -e '.[llamacpp]')")
     out += provenance(bench, current)
     out += [f"Command: `{command_line(bench)}` ([report](results/bench-llamacpp.md)). llama.cpp "
-            "(llama-cpp-python, built from source with its native CPU flags) runs the same GGUF file with "
+            "(llama-cpp-python, built from source for the machine's CPU) runs the same GGUF file with "
             "the same thread count: its own Q4_K/Q6_K kernels with 8-bit activations, where verispec runs its "
             "default format (Q4_K tensors in int4 with activations rounded to 8 bits per group of 32 as "
             "llama.cpp does — 16 bits in runs made before kernel ABI 12 — Q6_K tensors in int6 the same way, "
@@ -309,11 +309,16 @@ def formats_section(formats: dict | None) -> list[str]:
     if formats is None:
         return out + missing("decode speed, quality, peak RSS", "python docs/measure_formats.py")
     avx512 = "avx512f" in formats.get("environment", {}).get("cpu_flags", [])
-    bandwidth = 35e9 if avx512 else 20e9         # 2-thread read bandwidth: Zen 4 ~25–45 GB/s, Zen 3 ~20 GB/s
+    if formats.get("read_gb_s"):                 # recorded with the run: a torch sum over 1 GiB
+        bandwidth = formats["read_gb_s"] * 1e9
+        floor = (f"{bandwidth / 1e9:.1f} GB/s (the machine's read bandwidth, recorded with the run: a torch sum "
+                 f"over 1 GiB, {formats.get('environment', {}).get('threads', 2)} threads)")
+    else:                                        # older files: the machine kind's usual 2-thread read bandwidth
+        bandwidth = 35e9 if avx512 else 20e9     # Zen 4 ~25–45 GB/s, Zen 3 ~20 GB/s
+        floor = f"~{bandwidth / 1e9:.0f} GB/s (this machine kind's 2-thread read bandwidth)"
     out += [f"Command: `python docs/measure_formats.py`. Environment: {env_line(formats)}. Decode tok/s: plain "
             "greedy, 64 tokens, prefill excluded, median of 5, the formats alternated. Quality: against fp32 on a fixed 150-token text. "
-            f"Bandwidth floor: bytes of weights read per token ÷ ~{bandwidth / 1e9:.0f} GB/s (this machine kind's "
-            "2-thread read bandwidth).", ""]
+            f"Bandwidth floor: bytes of weights read per token ÷ {floor}.", ""]
     bytes_per_param = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.60, "int4-all": 0.58}  # older files: no step_mb
     params = {"qwen2.5-coder-0.5b-instruct": 0.494e9 + 0.136e9, "qwen2.5-coder-1.5b-instruct": 1.54e9 + 0.233e9}
     body = []
@@ -330,7 +335,7 @@ def formats_section(formats: dict | None) -> list[str]:
                   "KL(fp32‖fmt)", "load"], body)
     over = [row for row in body if row[5].endswith("%") and float(row[5].split()[0]) > 100]
     if over:
-        out += ["", "Above 100 % of the floor: memory read faster in that run than the ~20 GB/s the floor assumes "
+        out += ["", f"Above 100 % of the floor: memory read faster in that run than the {bandwidth / 1e9:.0f} GB/s the floor assumes "
                 "(the machine's bandwidth moves with its neighbours; the kernels alone, below, are the closer gauge)."]
     rss = formats.get("pair_peak_rss_mb", {})
     out += ["", "Peak RSS of a process running the pair (1.5B target + 0.5B draft, draft proposer, 32 tokens; "
@@ -404,7 +409,7 @@ def llamacpp_cli_section(result: dict | None) -> list[str]:
     programs = [k for k, v in result["summary"][0].items() if isinstance(v, dict)]
     out += [f"Command: `{result['command']}` ({env_line(result)}). llama.cpp's `llama-completion` (plain) and "
             "`llama-speculative-simple --spec-type ngram-simple --spec-draft-n-max 48` (12-token matches, drafts of up "
-            "to 48), built on the same machine with its native CPU flags, run the same GGUF file with the same threads, "
+            "to 48), built on the same machine for its CPU, run the same GGUF file with the same threads, "
             "greedy, beside verispec's plain decoding and its default mode; the four take turns. Each cell: decode "
             "tokens/s as the program counts them (× llama.cpp's plain decode), the prefill in seconds, and the tokens "
             "generated; medians over repeats. \"same\": the answers equal the same program's plain ones (llama.cpp's "

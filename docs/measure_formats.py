@@ -10,7 +10,9 @@
   speed after a ~2,000-token prompt (alternated), positions per GiB;
 - peak RSS: a fresh process loads the pair (1.5B target + 0.5B draft) in the format (`default`: the
   target in int4, the draft in int4-all, as with no flags) and generates 32 tokens with the draft proposer; its peak resident set size (VmHWM — not ru_maxrss, which
-  Linux carries over from the parent across fork + exec).
+  Linux carries over from the parent across fork + exec);
+- read bandwidth: a torch sum over 1 GiB of float32 with the run's threads, median of 5 — the floor the
+  page divides each format's bytes per token by.
 """
 
 from __future__ import annotations
@@ -170,12 +172,25 @@ def peak_rss(fmt: str) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
 
 
+def read_bandwidth(repeats: int = 5) -> float:
+    """GB/s of a torch sum over 1 GiB (float32), median of `repeats` after one warm-up."""
+    x = torch.ones(2**28)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return round(2**30 / statistics.median(times) / 1e9, 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/results/formats.json")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rss-only", action="store_true", help="only re-measure peak RSS into an existing --out file")
     ap.add_argument("--kv-only", action="store_true", help="only (re-)measure the KV cache formats into --out")
+    ap.add_argument("--bandwidth-only", action="store_true", help="only (re-)measure the read bandwidth into --out")
     args = ap.parse_args()
     if args.rss_child:
         peak_rss_child(args.rss_child)
@@ -186,6 +201,12 @@ def main() -> None:
         print("kv cache", json.dumps(result["kv_cache"]), flush=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
         return
+    if args.bandwidth_only:
+        result = json.loads(Path(args.out).read_text())
+        result["read_gb_s"] = read_bandwidth()
+        print("read bandwidth", result["read_gb_s"], "GB/s", flush=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        return
     if args.rss_only:
         result = json.loads(Path(args.out).read_text())
         result["pair_peak_rss_mb"] = {fmt: peak_rss(fmt) for fmt in [*FORMATS, "default"]}
@@ -194,7 +215,8 @@ def main() -> None:
         return
     from verispec.bench.run import environment
 
-    result = {"command": "python docs/measure_formats.py", "environment": environment(), "models": {}}
+    result = {"command": "python docs/measure_formats.py", "environment": environment(), "models": {},
+              "read_gb_s": read_bandwidth()}
     for name in (DRAFT, TARGET):
         entry = decode_speeds(name)
         for fmt, q in quality(name).items():

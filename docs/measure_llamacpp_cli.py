@@ -85,9 +85,11 @@ def llama_build(binary: Path, gguf: str, threads: int) -> str:
     if done.returncode != 0:
         sys.exit(f"{binary.name} failed ({done.returncode}) on a one-token run; a build using AMX_INT8 may crash in its "
                  f"AMX matmul on some Xeons (ggml-org/llama.cpp#20824):\n{done.stderr[-3000:]}")
-    version = re.search(r"build: (.+)", done.stderr) or re.search(r"version: (.+)", done.stderr)
     info = re.search(r"system_info:.*?\|(.*)", done.stderr)
-    features = [f.split("=")[0].strip() for f in (info[1] if info else "").split("|") if f.strip().endswith("= 1")]
+    features = [f.replace("CPU :", "").split("=")[0].strip() for f in (info[1] if info else "").split("|")
+                if f.strip().endswith("= 1")]
+    told = subprocess.run([str(binary), "--version"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    version = re.search(r"version: (.+)", told.stdout + told.stderr)
     return f"{version[1].strip() if version else 'version not reported'}; {' '.join(features) or 'features not reported'}"
 
 

@@ -2,9 +2,9 @@
 # Every measurement behind docs/PERFORMANCE.md, in order, then the page itself.
 # About two hours and a quarter on the reference machine (2 cores). Run from the repository root on a quiet machine.
 set -euo pipefail
-# The reference machine has AVX-512 (docs/results/); on an AVX2-only one run with R=docs/results/avx2 — the
-# page renders that directory's profile, sampling, llama.cpp, suite, long-copy and formats results as a section of
-# their own (docs/make_performance.py, OTHER_KINDS).
+# The reference machine has AVX-512 (docs/results/); on an AVX2-only one run with R=docs/results/avx2 (a Zen/Zen+
+# EPYC: docs/results/zen1; an Intel Xeon: docs/results/xeon) — the page renders that directory's profile, sampling,
+# llama.cpp, suite, long-copy and formats results as a section of their own (docs/make_performance.py, OTHER_KINDS).
 R=${R:-docs/results}
 mkdir -p "$R"
 
@@ -33,6 +33,8 @@ verispec bench --peer hf --modes ngram --ks auto --limit 3 --max-tokens 24 \
     --json $R/bench-peer.json --markdown $R/bench-peer.md
 # llama.cpp (llama-cpp-python, built from source once) on the same GGUF files and threads, whole suite, greedy and
 # sampled as chat front ends sample (T = 0.7, top_p 0.95).
+# (On an AMX Xeon a native build may crash in llama.cpp's AMX matmul; the peer then stops with an error that
+# gives the rebuild without AMX.)
 python -c "import llama_cpp" 2>/dev/null || pip install -e '.[llamacpp]'
 verispec bench --peer llamacpp --modes ngram,hybrid --ks auto --temperatures 0,0.7 --top-p 0.95 --max-tokens 64 \
     --json $R/bench-llamacpp.json --markdown $R/bench-llamacpp.md

@@ -66,6 +66,7 @@ def test_top_k_and_top_p_reach_every_sampled_run(tmp_path):
     assert set(peer.seen[1:]) == {(0.0, 1, 0.9), (1.5, 1, 0.9)}           # after the warm-up call
     assert result["sampling"] == {"top_k": 1, "top_p": 0.9}
     assert result["environment"]["peers"] == {"fake peer": "fake 1.0"}      # which build the figures came from
+    assert "Peers: fake peer: fake 1.0." in format_markdown(result)
     assert "Sampling at T > 0: top_k 1, top_p 0.9." in format_markdown(result)
     with pytest.raises(VerispecError, match="top_p"):
         run_bench(None, None, [], [], [0.0], 4, 1, top_p=0.0)

@@ -313,6 +313,14 @@ def sampling_line(result: dict) -> str:
     return f"Sampling at T > 0: {truncation(result) or 'the whole distribution (no top-k, no top-p)'}."
 
 
+def peers_line(builds: dict[str, str]) -> str:
+    """'llama.cpp plain, llama.cpp lookup: <build>' — each build once, with the modes that ran it."""
+    by_build: dict[str, list[str]] = {}
+    for label, build in builds.items():
+        by_build.setdefault(build or "build not recorded", []).append(label)
+    return "; ".join(f"{', '.join(labels)}: {build}" for build, labels in by_build.items())
+
+
 def format_markdown(result: dict) -> str:
     """A self-contained report: command, environment, measured costs and the summary table."""
     env, c = result["environment"], result["costs"]
@@ -320,6 +328,7 @@ def format_markdown(result: dict) -> str:
            f"Command: `{result.get('command', 'verispec bench')}`", "",
            f"Environment: verispec {env['verispec']}, torch {env['torch']}, Python {env['python']}, "
            f"{env['threads']} threads, {env['platform']}, {machine_line(env)}", "",
+           *([f"Peers: {peers_line(env['peers'])}.", ""] if env.get("peers") else []),
            *([sampling_line(result), ""] if any(r["temperature"] > 0 for r in result["runs"]) else []),
            "## Measured costs", "",
            "| n tokens in one target pass | c_p(n) ms | c_p(n) / c_p(1) |", "| --- | --- | --- |"]
