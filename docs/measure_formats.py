@@ -184,6 +184,14 @@ def read_bandwidth(repeats: int = 5) -> float:
     return round(2**30 / statistics.median(times) / 1e9, 1)
 
 
+def update(out: Path, key: str, value) -> None:
+    """Writes one re-measured part into an existing results file (the --*-only options)."""
+    result = json.loads(out.read_text())
+    result[key] = value
+    print(key, json.dumps(value), flush=True)
+    out.write_text(json.dumps(result, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/results/formats.json")
@@ -195,23 +203,16 @@ def main() -> None:
     if args.rss_child:
         peak_rss_child(args.rss_child)
         return
+    if (args.kv_only or args.bandwidth_only or args.rss_only) and not Path(args.out).is_file():
+        sys.exit(f"{args.out} not found: the --*-only options update a file that a full run wrote")
     if args.kv_only:
-        result = json.loads(Path(args.out).read_text())
-        result["kv_cache"] = {TARGET: kv_formats(TARGET)}
-        print("kv cache", json.dumps(result["kv_cache"]), flush=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        update(Path(args.out), "kv_cache", {TARGET: kv_formats(TARGET)})
         return
     if args.bandwidth_only:
-        result = json.loads(Path(args.out).read_text())
-        result["read_gb_s"] = read_bandwidth()
-        print("read bandwidth", result["read_gb_s"], "GB/s", flush=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        update(Path(args.out), "read_gb_s", read_bandwidth())
         return
     if args.rss_only:
-        result = json.loads(Path(args.out).read_text())
-        result["pair_peak_rss_mb"] = {fmt: peak_rss(fmt) for fmt in [*FORMATS, "default"]}
-        print("peak RSS", result["pair_peak_rss_mb"], flush=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        update(Path(args.out), "pair_peak_rss_mb", {fmt: peak_rss(fmt) for fmt in [*FORMATS, "default"]})
         return
     from verispec.bench.run import environment
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from verispec import LLM, SamplingParams
+from verispec.bench.peers import system_info_features
 from verispec.bench.run import environment
 from verispec.bench.suites import load_suite
 from verispec.loaders.builtin import DEFAULT_TARGET, ensure_assembled
@@ -86,8 +87,7 @@ def llama_build(binary: Path, gguf: str, threads: int) -> str:
         sys.exit(f"{binary.name} failed ({done.returncode}) on a one-token run; a build using AMX_INT8 may crash in its "
                  f"AMX matmul on some Xeons (ggml-org/llama.cpp#20824):\n{done.stderr[-3000:]}")
     info = re.search(r"system_info:.*?\|(.*)", done.stderr)
-    features = [f.replace("CPU :", "").split("=")[0].strip() for f in (info[1] if info else "").split("|")
-                if f.strip().endswith("= 1")]
+    features = system_info_features(info[1] if info else "")
     told = subprocess.run([str(binary), "--version"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
     version = re.search(r"version: (.+)", told.stdout + told.stderr)
     return f"{version[1].strip() if version else 'version not reported'}; {' '.join(features) or 'features not reported'}"

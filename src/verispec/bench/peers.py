@@ -84,7 +84,8 @@ def hf_peers(target: LoadedModel, draft: LoadedModel | None, stop_ids: list[int]
     model = _load_hf(target)
     assistant = _load_hf(draft) if draft is not None else None
     kinds = [k for k in HF_MODES if k != "assisted" or assistant is not None]
-    return [HFPeer(k, model, assistant, stop_ids, build=hf_build()) for k in kinds]
+    build = hf_build()
+    return [HFPeer(k, model, assistant, stop_ids, build=build) for k in kinds]
 
 
 def hf_build() -> str:
@@ -130,13 +131,18 @@ class LlamaCppPeer:
         return outs
 
 
+def system_info_features(info: str) -> list[str]:
+    """The features llama.cpp's system info reports on ('CPU : SSE3 = 1 | AVX512 = 1 | AMX_INT8 = 0 | …' ->
+    ['SSE3', 'AVX512']), as llama_print_system_info() and its programs' 'system_info:' line print them."""
+    return [part.split("=")[0].strip() for part in info.replace("CPU :", "").split("|") if part.strip().endswith("= 1")]
+
+
 def llamacpp_build() -> str:
     """'llama-cpp-python <version> (<the CPU features its llama.cpp was built with>)', for results files."""
     import llama_cpp
 
     info = llama_cpp.llama_print_system_info().decode(errors="replace")
-    features = [part.split("=")[0].strip() for part in info.replace("CPU :", "").split("|") if part.strip().endswith("= 1")]
-    return f"llama-cpp-python {llama_cpp.__version__} ({' '.join(features) or info.strip()})"
+    return f"llama-cpp-python {llama_cpp.__version__} ({' '.join(system_info_features(info)) or info.strip()})"
 
 
 # A few tokens through the file in a child process: a prompt-sized pass and a one-token step.
