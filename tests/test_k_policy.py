@@ -675,6 +675,7 @@ def test_seeded_requests_are_priced_with_the_fixed_profile_of_the_kernel_kind():
     from verispec.engine.params import SamplingParams
 
     assert static_costs("avx512bf16") is STATIC_AVX512 and static_costs("avx512vnni") is STATIC_AVX512
+    assert static_costs("amx") is STATIC_AVX512
     assert static_costs("avx2") is STATIC_AVX2 and static_costs(None) is STATIC_AVX2
     assert STATIC_AVX2.c_p(1) == 1.0 and STATIC_AVX2.c_p(5) == pytest.approx(2.05) and STATIC_AVX2.c_p(7) == pytest.approx(2.725)
     assert STATIC_AVX512.c_p(3) == pytest.approx(1.025) and STATIC_AVX512.c_p(80) > STATIC_AVX512.c_p(65)

@@ -496,7 +496,7 @@ def test_attend_rows_reads_bf16_caches_and_is_row_exact(native, b, h, hkv, t, d,
     keys, values = cache[0, 1:, :, :s], cache[1, 1:, :, :s]
     positions = torch.stack([torch.arange(s - t - i, s - i) for i in range(b)])
     out = native.attend_rows(q, keys, values, positions, d ** -0.5)
-    dot_bf16 = native.variant == "avx512bf16"
+    dot_bf16 = native.variant in ("amx", "avx512bf16")                   # attention.c with AVX512_BF16
     ref = attention_reference(q.bfloat16().float() if dot_bf16 else q, keys.float(), values.float(), positions,
                               d ** -0.5)
     tol = 4e-3 if dot_bf16 else 1e-5                     # the weights' rounding to bf16: 2^-9 relative
@@ -588,6 +588,75 @@ def test_every_variant_gives_the_same_matmul_bits():
         torch.testing.assert_close(other.attend_rows(q, kv, kv * 0.5, positions, 0.1), first, rtol=1e-5, atol=1e-6)
 
 
+def amx_and_vector_kernels():
+    """(the amx variant, the avx512bf16 variant), or a skip saying why this machine cannot compare them."""
+    if "amx" not in kernels.supported_variants():
+        pytest.skip("the CPU lacks AMX-INT8: no tile kernel to compare")
+    try:
+        return kernels.load_variant("amx"), kernels.load_variant("avx512bf16")
+    except RuntimeError as err:
+        pytest.skip(f"amx kernels: {err}")
+
+
+AMX_CASES = [(12, 200, 1536), (13, 37, 896), (16, 48, 8960), (17, 16, 256), (31, 40, 4864), (33, 200, 1536),
+             (64, 37, 896), (65, 33, 1536), (72, 100, 8960), (130, 20, 1536)]
+
+
+@pytest.mark.parametrize("m,n,k", AMX_CASES)
+def test_amx_tiles_give_the_vector_kernels_bits(m, n, k):
+    """The int4 matmul on AMX tiles (wide passes: 12 rows and more) forms the AVX-512 kernel's integer sums
+    and runs its fp32 steps in its order: the same bits for every row count — whole and short 16-row
+    sweeps, more rows than a panel of 64, partial super-blocks (K = 896) and partial column blocks."""
+    amx, vector = amx_and_vector_kernels()
+    layer = quant.Int4Linear.from_fields(q4_fields(n, k, seed=m))
+    x = torch.randn(m, k) * 3
+    x[0, :32] = 0.0                                                    # a group whose sums are all zero
+    tiles = amx.int4_gemm(x, layer.packed, layer.groups, layer.supers)
+    assert torch.equal(tiles, vector.int4_gemm(x, layer.packed, layer.groups, layer.supers))
+    alone = amx.int4_gemm(x[m - 1:].contiguous(), layer.packed, layer.groups, layer.supers)   # one row: vector
+    assert torch.equal(alone[0], tiles[m - 1])
+
+
+def test_a_misordered_amx_tile_is_caught():
+    """Broken on purpose: the amx variant built with one chunk's two B tile rows swapped (each weight meets
+    the wrong activation). The bit comparison above fails on it — it can fail."""
+    amx, vector = amx_and_vector_kernels()
+    broken = kernels.build_variant("amx", ("VERISPEC_BROKEN_AMX_B",))
+    layer = quant.Int4Linear.from_fields(q4_fields(64, 1536, seed=5))
+    x = torch.randn(16, 1536)
+    expected = vector.int4_gemm(x, layer.packed, layer.groups, layer.supers)
+    assert torch.equal(amx.int4_gemm(x, layer.packed, layer.groups, layer.supers), expected)
+    assert not torch.equal(broken.int4_gemm(x, layer.packed, layer.groups, layer.supers), expected)
+    assert torch.equal(broken.int4_gemm(x[:5].contiguous(), layer.packed, layer.groups, layer.supers),
+                       expected[:5])                                   # narrow passes never touch the tiles
+
+
+def test_a_variant_that_cannot_load_gives_way_to_the_next(monkeypatch):
+    """A variant whose build or load fails (the amx one when Linux refuses the tile state) is skipped for the
+    next one the CPU supports, and the status says why; a variant forced by VERISPEC_KERNEL_ISA is not."""
+    def load(name):
+        if name == "amx":
+            raise RuntimeError("the operating system refused the AMX tile state (Operation not permitted)")
+        native = kernels.NativeKernels.__new__(kernels.NativeKernels)
+        native.variant = name
+        return native
+
+    monkeypatch.setattr(kernels, "load_variant", load)
+    monkeypatch.setattr(kernels, "supported_variants", lambda: ["amx", "avx2"])
+    monkeypatch.delenv("VERISPEC_KERNELS", raising=False)
+    monkeypatch.delenv("VERISPEC_KERNEL_ISA", raising=False)
+    status = kernels._status
+    try:
+        assert kernels._load.__wrapped__() is not None
+        assert kernels._status == ("active (avx2); skipped amx: the operating system refused the AMX tile state "
+                                   "(Operation not permitted)")
+        monkeypatch.setenv("VERISPEC_KERNEL_ISA", "amx")
+        assert kernels._load.__wrapped__() is None
+        assert kernels._status == "unavailable: amx: the operating system refused the AMX tile state (Operation not permitted)"
+    finally:
+        kernels._status = status
+
+
 def test_results_files_name_the_cpu_core_a_virtual_machine_hides():
     """'AMD EPYC' is all a virtual machine's model name may say; family and model tell a Zen/Zen+ (one 256-bit
     integer multiply every other cycle) from a Zen 2 or Zen 4."""
@@ -610,7 +679,7 @@ def test_the_best_supported_variant_is_active_and_named():
     assert info["kernel_variant"] in kernels.supported_variants()
     if not os.environ.get("VERISPEC_KERNEL_ISA"):
         assert info["kernel_variant"] == kernels.supported_variants()[0]
-    assert "avx2" in info["cpu_flags"] and info["kernel"] == f"active ({info['kernel_variant']})"
+    assert "avx2" in info["cpu_flags"] and info["kernel"].startswith(f"active ({info['kernel_variant']})")
 
 
 def test_every_supported_variant_builds_where_there_is_a_compiler():

@@ -5,18 +5,21 @@ rounded to 16-bit integers per row; int4 and int6 weights as Q4_K and Q6_K store
 rounded to 8 bits per group of 32; integer dot products), `attention.c` the row-by-row
 attention of decode and verify passes (reading a static or paged cache in place), `decoder.c` a whole
 pass of a quantized model in one call — its decoder layers, or token ids to logits (see each file's
-header). The sources are built into one shared library per instruction-set variant (`VARIANTS`, best first): `avx512bf16` (the next one plus AVX512_BF16: attention
-over a bfloat16 cache multiplies with `vdpbf16ps`), `avx512vnni` (AVX-512 F/BW/VL/DQ + VNNI: the int8
-matmul on 512-bit vectors with `vpdpwssd`) and `avx2` (AVX2 + FMA). At first use the best variant this
-CPU supports is built into `$VERISPEC_CACHE/kernels/` (about a second with gcc; the file name hashes
-the source, the compiler and the variant's flags) and opened with ctypes; `VERISPEC_KERNEL_ISA=avx2`
-picks a lower one. The matmuls give the same bits in every variant (exact integer sums, the same fp32
-steps in the same order; tested); attention sums in 16 lanes on AVX-512 and 8 on AVX2 (and, over a
-bf16 cache on `avx512bf16`, rounds the query and the softmax weights to bf16), so whole passes agree to
-float rounding across variants — and bit for bit across row counts within one. The OpenMP pool is the one torch already loaded (same `libgomp.so.1`), so
-the two never fight for cores. Without a compiler, without AVX2/FMA, or with VERISPEC_KERNELS=off,
-`available()` is False and callers use torch's own kernels. `kernel_status()` says which and why;
-`machine()` names the CPU and its vector extensions for results files.
+header; amx.c the int4 matmul on AMX tiles). The sources are built into one shared library per
+instruction-set variant (`VARIANTS`, best first): `amx` (the next one plus AMX-TILE/AMX-INT8: the int4
+matmul of passes of 12 rows and more on tiles; Linux must grant the process the tile state, else the
+next variant loads), `avx512bf16` (the next one plus AVX512_BF16: attention over a bfloat16 cache
+multiplies with `vdpbf16ps`), `avx512vnni` (AVX-512 F/BW/VL/DQ + VNNI: the int8 matmul on 512-bit
+vectors with `vpdpwssd`) and `avx2` (AVX2 + FMA). At first use the best variant this CPU supports is
+built into `$VERISPEC_CACHE/kernels/` (about a second with gcc; the file name hashes the source, the
+compiler and the variant's flags) and opened with ctypes; `VERISPEC_KERNEL_ISA=avx2` picks a lower one.
+The matmuls give the same bits in every variant (exact integer sums, the same fp32 steps in the same
+order; tested); attention sums in 16 lanes on AVX-512 and 8 on AVX2 (and, over a bf16 cache with
+AVX512_BF16, rounds the query and the softmax weights to bf16), so whole passes agree to float rounding
+across variants — and bit for bit across row counts within one. The OpenMP pool is the one torch
+already loaded (same `libgomp.so.1`), so the two never fight for cores. Without a compiler, without
+AVX2/FMA, or with VERISPEC_KERNELS=off, `available()` is False and callers use torch's own kernels.
+`kernel_status()` says which and why; `machine()` names the CPU and its vector extensions for results files.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from verispec.kernels.packing import (BLOCK, int6_rows, pack_int4, pack_int6, pa
                                       select_block_rows, unpack_int4, unpack_int6, unpack_int8)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "gemm6.c", HERE / "attention.c", HERE / "decoder.c"]
+SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "amx.c", HERE / "gemm6.c", HERE / "attention.c", HERE / "decoder.c"]
 HEADER = HERE / "kernels.h"
 ABI = 21
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -55,10 +58,12 @@ class Variant:
     cpu: tuple[str, ...]          # /proc/cpuinfo flags the CPU must have
 
 
+_AVX512BF16 = (("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+                "-mavx512bf16"),
+               ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"))
 VARIANTS = (
-    Variant("avx512bf16", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                           "-mavx512vnni", "-mavx512bf16"),
-            ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")),
+    Variant("amx", (*_AVX512BF16[0], "-mamx-tile", "-mamx-int8"), (*_AVX512BF16[1], "amx_tile", "amx_int8")),
+    Variant("avx512bf16", *_AVX512BF16),
     Variant("avx512vnni", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                            "-mavx512vnni"),
             ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")),
@@ -138,6 +143,11 @@ def supported_variants() -> list[str]:
     return [v.name for v in VARIANTS if all(f in flags for f in v.cpu)]
 
 
+def has_avx512(name: str | None) -> bool:
+    """Whether variant `name` runs on 512-bit vectors (amx, avx512bf16, avx512vnni)."""
+    return any(v.name == name and "-mavx512f" in v.flags for v in VARIANTS)
+
+
 def kernel_status() -> str:
     _load()
     return _status
@@ -213,6 +223,12 @@ class NativeKernels:
 @lru_cache(maxsize=None)
 def load_variant(name: str) -> NativeKernels:
     """Build (once, cached on disk) and open one variant; raises RuntimeError saying why it cannot."""
+    return build_variant(name)
+
+
+def build_variant(name: str, defines: tuple[str, ...] = ()) -> NativeKernels:
+    """load_variant's build and checks, with extra preprocessor definitions (`defines`, "NAME" or
+    "NAME=VALUE"; the tests build deliberately broken kernels with them). Not cached in memory."""
     variant = next((v for v in VARIANTS if v.name == name), None)
     if variant is None:
         raise RuntimeError(f"unknown kernel variant {name!r}; choose one of {', '.join(v.name for v in VARIANTS)}")
@@ -222,7 +238,7 @@ def load_variant(name: str) -> NativeKernels:
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (install gcc to build the fast int8 kernel)")
-    flags = [*BASE_FLAGS, *variant.flags]
+    flags = [*BASE_FLAGS, *variant.flags, *(f"-D{d}" for d in defines)]
     text = b"".join(f.read_bytes() for f in (HEADER, *SOURCES))
     key = hashlib.sha256(text + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"gemm-{name}-{key}.so"
@@ -243,6 +259,10 @@ def load_variant(name: str) -> NativeKernels:
             raise OSError("built for another variant")
     except (OSError, AttributeError) as err:
         raise RuntimeError(f"loading {lib_path} failed ({err})") from None
+    if "amx_tile" in variant.cpu:
+        refused = lib.verispec_amx_enable()          # Linux grants the tile state on request only (amx.c)
+        if refused:
+            raise RuntimeError(f"the operating system refused the AMX tile state ({os.strerror(refused) if refused > 0 else 'no arch_prctl'})")
     return NativeKernels(lib, name, key)
 
 
@@ -257,13 +277,17 @@ def _load() -> NativeKernels | None:
     if not candidates:
         _status = "unavailable: the CPU lacks AVX2/FMA"
         return None
-    try:
-        native = load_variant(candidates[0])
-    except RuntimeError as err:
-        _status = f"unavailable: {err}"
-        return None
-    _status = f"active ({native.variant})"
-    return native
+    skipped = []
+    for name in candidates:                      # the best that builds and loads; a forced one or nothing
+        try:
+            native = load_variant(name)
+        except RuntimeError as err:
+            skipped.append(f"{name}: {err}")
+            continue
+        _status = f"active ({native.variant})" + (f"; skipped {'; '.join(skipped)}" if skipped else "")
+        return native
+    _status = f"unavailable: {'; '.join(skipped)}"
+    return None
 
 
 def available() -> bool:

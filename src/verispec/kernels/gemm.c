@@ -182,7 +182,9 @@ static void one_row(const int16_t *qx, const float *sx, const int8_t *wp, const 
    (vpmaddwd + vpaddd on AVX2). The products, the int32 chunk sums (wrapping is impossible, as above),
    their conversion and the fp32 steps are the same operations on the same values as the AVX2 code
    below, so both variants give the same bits. */
-#if defined(__AVX512BF16__)
+#if defined(__AMX_INT8__)
+#define VARIANT "amx"                  /* avx512bf16 plus the int4 matmul's wide passes on tiles (amx.c) */
+#elif defined(__AVX512BF16__)
 #define VARIANT "avx512bf16"           /* the same matmuls; attention.c reads bf16 caches with vdpbf16ps */
 #else
 #define VARIANT "avx512vnni"

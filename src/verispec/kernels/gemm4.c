@@ -35,13 +35,6 @@
 #include "kernels.h"
 
 #define MG4 6           /* activation rows per group */
-/* Software prefetch into L2, PF4 groups (256 bytes of a block's weights each, 32 KB) ahead: a pass of
-   several rows computes long enough per group that the hardware prefetcher alone left the memory
-   idle between bursts (measured: 3 rows 44 -> 33 ms, 5 rows 50 -> 40 ms of 28 layers' matmuls; 1 KB
-   ahead into L1 before). Past a block's end it fetches the next block, which the same thread takes. */
-#ifndef PF4
-#define PF4 128
-#endif
 
 /* x (M, K) float32 -> q8 (M, K) int8 in Q8_ORDER within each 8, s8 and xsum (M, K/32). One group of 32
    in four 8-lane vectors (AVX2 in every variant, so every variant gives the same bits): amax exact in
@@ -217,6 +210,7 @@ static const q4_fn Q4[MG4 + 1] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6};
 
 void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint8_t *gs,
                      const uint16_t *ss, float *y, long M, long N, long K) {
+    if (vs_int4_amx_ws(q8, s8, xs, wp, gs, ss, y, M, N, K)) return;         /* the amx variant's tiles */
     long G = K / 32, blocks = (N + 15) / 16, groups = (M + MG4 - 1) / MG4;
 #pragma omp for schedule(static)
     for (long b = 0; b < blocks; b++)
@@ -232,7 +226,7 @@ void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const u
 int verispec_int4_gemm(const float *x, const uint32_t *wp, const uint8_t *gs, const uint16_t *ss, float *y,
                        long M, long N, long K, int threads) {
     if (K % 32) return -1;
-    float *s8 = malloc(sizeof(float) * 2 * M * (K / 32) + M * K + 64);
+    float *s8 = malloc(sizeof(float) * 2 * M * (K / 32) + (M + 15) / 16 * 16 * K + 64);   /* q8: whole tiles */
     if (!s8) return -2;
     float *xs = s8 + M * (K / 32);
     int8_t *q8 = (int8_t *)(xs + M * (K / 32));

@@ -1,0 +1,181 @@
+/* The int4 matmul on AMX tiles (the `amx` variant: AMX-TILE and AMX-INT8 beside AVX512_BF16): the same
+ * integers and the same fp32 steps as gemm4.c's AVX-512 kernel, so the same bits, for passes of
+ * AMX4_MIN_ROWS rows and more (prefill, wide verify passes); fewer rows take the vector kernel.
+ *
+ * A group's integer sums I[m, n, g] of 16 rows and 16 columns are one tile product: tdpbssd multiplies
+ * an A tile of 16 rows × 32 int8 (the rows' q8 of group g, in Q8_ORDER, read in place with the row
+ * stride K) by a B tile of 8 rows × 64 bytes (B[i][4c + t] = q[c, the k at stored position 4i + t], a
+ * weight level 0 … 15 as an int8) into a C tile of 16 × 16 int32: C[m][c] = I[m, c, g], the exact sum
+ * vpdpbusd forms. gemm4.c's words give B directly: (word & 0x0F0F0F0F) of chunk j is B row 2j and
+ * ((word >> 4) & 0x0F0F0F0F) row 2j + 1. A last sweep of fewer than 16 rows reads 16 in place (q8 has
+ * room for them: vs_int4_amx_ws) and scales only its own; the sums of the rows past M are never read. A super-block's B tiles are unpacked once for up to PANEL
+ * sweeps of 16 rows; each sweep's eight C tiles are stored to memory and scaled row by row in zmm
+ * registers (lane = column) in the AVX-512 kernel's order: per group isc = float(I) · float(sc),
+ * sa = fma(isc, s8, sa), sm = fma(m, X, sm); per super-block acc = fma(d, sa, acc), acc = fma(−dmin,
+ * sm, acc).
+ *
+ * Measured on a 2-core Xeon with AMX (docs/PERFORMANCE_LOG.md): the 1.5B's matmuls of 16–64 rows take
+ * about 0.75x the AVX-512 kernel's time. The scaling, not the tile products, bounds it: a group's four
+ * fp32 steps per row and column are the same work on either path, and vector loads that follow a tile
+ * store in program order wait for it, so the two do not overlap (issuing the scaling of the previous
+ * sweep between the products and their stores ran slower).
+ *
+ * Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM):
+ * verispec_amx_enable asks for it once, and the tile path runs only after it was granted. Every
+ * thread loads the tile configuration (a constant: built on the stack, gcc may load it before the
+ * stores that fill it — ggml-org/llama.cpp#20824) at the start of each matmul and releases the tiles
+ * at its end.
+ */
+#include "kernels.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <errno.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define PANEL 4                 /* 16-row sweeps per panel: a super-block's B tiles serve them all */
+
+static int amx_granted;
+
+int verispec_amx_enable(void) {
+    if (!amx_granted && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) return errno ? errno : -1;
+    amx_granted = 1;
+    return 0;
+}
+
+int vs_amx_ready(void) { return amx_granted; }
+
+/* Palette 1. Tiles 0 … 3: C, 16 rows × 16 int32; 4, 5: A, 16 rows × 32 int8; 6, 7: B, 8 rows × 64 bytes. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+static const tile_config AMX4 __attribute__((aligned(64))) = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 32, 32, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 8, 8},
+};
+
+/* A super-block's gn groups of sums, rows 0 … R-1, into acc (lane = column), in gemm4.c's order. */
+static inline __attribute__((always_inline)) void scale_rows(
+        int32_t (*isum)[16][16], const __m512 *scf, const __m512 *mf, __m512 dv, __m512 ndmin, const float *s8,
+        const float *xs, long G, long R, long gn, __m512 *acc) {
+    for (long r = 0; r < R; r++) {
+        const float *s8r = s8 + r * G, *xsr = xs + r * G;
+        __m512 sa = _mm512_setzero_ps(), sm = _mm512_setzero_ps();
+        for (long gi = 0; gi < gn; gi++) {                   /* float(I) · float(sc) is I · sc, exact */
+            __m512 isc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(isum[gi][r])), scf[gi]);
+            sa = _mm512_fmadd_ps(isc, _mm512_set1_ps(s8r[gi]), sa);
+            sm = _mm512_fmadd_ps(mf[gi], _mm512_set1_ps(xsr[gi]), sm);
+        }
+        acc[r] = _mm512_fmadd_ps(dv, sa, acc[r]);
+        acc[r] = _mm512_fmadd_ps(ndmin, sm, acc[r]);
+    }
+}
+
+/* B tiles of super-block s of block b: gn groups of 8 rows × 64 bytes. */
+static inline void unpack_b(const uint32_t *wp, long G, long b, long s, long gn, int32_t (*bt)[8][16]) {
+    const __m512i lo4 = _mm512_set1_epi32(0x0F0F0F0F);
+    for (long gi = 0; gi < gn; gi++) {
+        const uint32_t *wg = wp + (b * G + 8 * s + gi) * 64;
+        _mm_prefetch((const char *)(wg + PF4 * 64), _MM_HINT_T1);
+        _mm_prefetch((const char *)(wg + PF4 * 64 + 16), _MM_HINT_T1);
+        _mm_prefetch((const char *)(wg + PF4 * 64 + 32), _MM_HINT_T1);
+        _mm_prefetch((const char *)(wg + PF4 * 64 + 48), _MM_HINT_T1);
+        for (int j = 0; j < 4; j++) {
+            __m512i d = _mm512_loadu_si512((const void *)(wg + 16 * j));
+#ifdef VERISPEC_BROKEN_AMX_B     /* tests only: chunk 0's two B rows swapped, a layout slip they must catch */
+            int lo_row = 2 * j + (j == 0), hi_row = 2 * j + (j != 0);
+#else
+            int lo_row = 2 * j, hi_row = 2 * j + 1;
+#endif
+            _mm512_store_si512((void *)bt[gi][lo_row], _mm512_and_si512(d, lo4));
+            _mm512_store_si512((void *)bt[gi][hi_row], _mm512_and_si512(_mm512_srli_epi32(d, 4), lo4));
+        }
+    }
+}
+
+/* The sums of gn groups for one 16-row sweep whose group-gi A tile starts at a + 32 gi (row stride
+   astride) into isum: four products, then their four stores (a store waits for its product). */
+static inline void sweep_sums(const int8_t *a, long astride, long gn, int32_t (*bt)[8][16], int32_t (*isum)[16][16]) {
+    long gi = 0;
+    for (; gi + 4 <= gn; gi += 4) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        _tile_loadd(6, bt[gi], 64); _tile_loadd(4, a + 32 * gi, astride);
+        _tile_loadd(7, bt[gi + 1], 64); _tile_loadd(5, a + 32 * gi + 32, astride);
+        _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 5, 7);
+        _tile_loadd(6, bt[gi + 2], 64); _tile_loadd(4, a + 32 * gi + 64, astride);
+        _tile_loadd(7, bt[gi + 3], 64); _tile_loadd(5, a + 32 * gi + 96, astride);
+        _tile_dpbssd(2, 4, 6); _tile_dpbssd(3, 5, 7);
+        _tile_stored(0, isum[gi], 64); _tile_stored(1, isum[gi + 1], 64);
+        _tile_stored(2, isum[gi + 2], 64); _tile_stored(3, isum[gi + 3], 64);
+    }
+    for (; gi < gn; gi++) {
+        _tile_zero(0);
+        _tile_loadd(6, bt[gi], 64); _tile_loadd(4, a + 32 * gi, astride);
+        _tile_dpbssd(0, 4, 6);
+        _tile_stored(0, isum[gi], 64);
+    }
+}
+
+/* Rows 0 … R-1 (R ≤ 16 · PANEL) of q8 (row stride K, room for R rounded up to 16) through column block b
+   -> y (rows of N). */
+static void q4_amx_rows(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp,
+                        const uint8_t *gs, const uint16_t *ss, float *y, long N, long G, long b, long R) {
+    static __thread int32_t isum[8][16][16] __attribute__((aligned(64)));     /* a sweep's sums */
+    static __thread int32_t bt[8][8][16] __attribute__((aligned(64)));        /* a super-block's B tiles */
+    static __thread __m512 acc[16 * PANEL];
+    const long S = (G + 7) / 8, sweeps = (R + 15) / 16, last = R - 16 * (sweeps - 1);
+    for (long r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (long s = 0; s < S; s++) {
+        long gn = G - 8 * s < 8 ? G - 8 * s : 8;
+        unpack_b(wp, G, b, s, gn, bt);
+        __m512 scf[8], mf[8];
+        for (long gi = 0; gi < gn; gi++) {
+            const uint8_t *gg = gs + (b * G + 8 * s + gi) * 32;
+            scf[gi] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)gg)));
+            mf[gi] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(gg + 16))));
+        }
+        const uint16_t *sg = ss + (b * S + s) * 32;
+        __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
+        __m512 ndmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sg + 16))));
+        for (long j = 0; j < sweeps; j++) {
+            long r0 = 16 * j, rows = j < sweeps - 1 ? 16 : last;     /* a short sweep's products read 16 rows */
+            sweep_sums(q8 + r0 * K + 256 * s, K, gn, bt, isum);
+            if (gn == 8)                                  /* a whole super-block: the loop unrolled */
+                scale_rows(isum, scf, mf, dv, ndmin, s8 + r0 * G + 8 * s, xs + r0 * G + 8 * s, G, rows, 8, acc + r0);
+            else
+                scale_rows(isum, scf, mf, dv, ndmin, s8 + r0 * G + 8 * s, xs + r0 * G + 8 * s, G, rows, gn, acc + r0);
+        }
+    }
+    long c = 16 * b, left = N - c;
+    __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    for (long r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * N + c, k, acc[r]);
+}
+
+int vs_int4_amx_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint8_t *gs,
+                   const uint16_t *ss, float *y, long M, long N, long K) {
+    if (!amx_granted || M < AMX4_MIN_ROWS) return 0;
+    long G = K / 32, blocks = (N + 15) / 16;
+    _tile_loadconfig(&AMX4);
+#pragma omp for schedule(static)
+    for (long b = 0; b < blocks; b++)
+        for (long m0 = 0; m0 < M; m0 += 16 * PANEL)
+            q4_amx_rows(q8 + m0 * K, K, s8 + m0 * G, xs + m0 * G, wp, gs, ss, y + m0 * N, N, G, b,
+                        M - m0 < 16 * PANEL ? M - m0 : 16 * PANEL);
+    _tile_release();
+    return 1;
+}
+
+#else
+int verispec_amx_enable(void) { return -1; }
+int vs_amx_ready(void) { return 0; }
+int vs_int4_amx_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint8_t *gs,
+                   const uint16_t *ss, float *y, long M, long N, long K) {
+    (void)q8, (void)s8, (void)xs, (void)wp, (void)gs, (void)ss, (void)y, (void)M, (void)N, (void)K;
+    return 0;
+}
+#endif
