@@ -364,7 +364,8 @@ def kernel_section(kernel: dict | None) -> list[str]:
         return out + missing("kernels by row count", "python docs/measure_kernel.py --out docs/results/kernel.json")
     if "fused" in next(iter(kernel["rows"].values())):
         return out + ["_Measured with an earlier version of the script; rerun `python docs/measure_kernel.py`._", ""]
-    out += [f"Command: `python docs/measure_kernel.py --out docs/results/kernel.json` ({kernel['threads']} threads, "
+    command = command_line(kernel) or "python docs/measure_kernel.py --out docs/results/kernel.json"
+    out += [f"Command: `{command}` ({kernel['threads']} threads, "
             f"{machine_line(kernel)}). Matmuls only: random weights at the 1.5B's shapes streamed from memory, "
             "milliseconds for 28 layers (q/k/v, o, gate/up, down) + the LM head (int8, or int6 with the int6 "
             "layers), each instruction-set variant and format timed alternately in one process.", ""]
@@ -522,11 +523,12 @@ def for_kind(lines: list[str], kind: str) -> list[str]:
 
 def kind_section(kind: str, title: str) -> list[str]:
     """Every measurement made on another machine kind: costs, prefill and decode against llama.cpp,
-    whole answers against llama.cpp, the suite, the long copy, the weight formats."""
+    whole answers against llama.cpp, the suite, the long copy, the weight formats, the matmul kernels."""
     loaded = [(fn, load(f"{kind}/{name}")) for fn, name in (
         (costs_section, "profile.json"), (sampling_section, "sampling.json"), (ttft_section, "llamacpp-ttft.json"), (llamacpp_section, "bench-llamacpp.json"),
         (llamacpp_cli_section, "llamacpp-cli.json"),
-        (suite_section, "bench-suite.json"), (longcopy_section, "bench-longcopy.json"), (formats_section, "formats.json"))]
+        (suite_section, "bench-suite.json"), (longcopy_section, "bench-longcopy.json"), (formats_section, "formats.json"),
+        (kernel_section, "kernel.json"))]
     found = [(fn, result) for fn, result in loaded if result is not None]
     if not found:
         return []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -76,7 +77,8 @@ def main() -> None:
     heads = {"int8": head8, "int4": head8, "int6": int6_weight(VOCAB, HIDDEN, gen)}
     variants = {v: kernels.load_variant(v) for v in kernels.supported_variants()}
     combos = [(v, f) for v in variants for f in weights]
-    result = {"threads": torch.get_num_threads(), **kernels.machine(), "rows": {}}
+    result = {"command": " ".join(["python docs/measure_kernel.py", *sys.argv[1:]]), "threads": torch.get_num_threads(),
+              **kernels.machine(), "rows": {}}
     print(f"{'M':>3} " + " ".join(f"{v + ' ' + f:>18}" for v, f in combos) + "   (ms, 28 layers + LM head)")
     for m in [int(r) for r in args.rows.split(",")]:
         x = {HIDDEN: torch.randn(m, HIDDEN), INTER: torch.randn(m, INTER)}

@@ -7,18 +7,19 @@
  * stride K) by a B tile of 8 rows × 64 bytes (B[i][4c + t] = q[c, the k at stored position 4i + t], a
  * weight level 0 … 15 as an int8) into a C tile of 16 × 16 int32: C[m][c] = I[m, c, g], the exact sum
  * vpdpbusd forms. gemm4.c's words give B directly: (word & 0x0F0F0F0F) of chunk j is B row 2j and
- * ((word >> 4) & 0x0F0F0F0F) row 2j + 1. A last sweep of fewer than 16 rows reads 16 in place (q8 has
- * room for them: vs_int4_amx_ws) and scales only its own; the sums of the rows past M are never read. A super-block's B tiles are unpacked once for up to PANEL
- * sweeps of 16 rows; each sweep's eight C tiles are stored to memory and scaled row by row in zmm
- * registers (lane = column) in the AVX-512 kernel's order: per group isc = float(I) · float(sc),
- * sa = fma(isc, s8, sa), sm = fma(m, X, sm); per super-block acc = fma(d, sa, acc), acc = fma(−dmin,
- * sm, acc).
+ * ((word >> 4) & 0x0F0F0F0F) row 2j + 1. A super-block's B tiles are unpacked once for up to PANEL sweeps
+ * of 16 rows; each sweep's eight C tiles are stored to memory and scaled row by row in zmm registers
+ * (lane = column) in the AVX-512 kernel's order: per group isc = float(I) · float(sc), sa = fma(isc, s8,
+ * sa), sm = fma(m, X, sm); per super-block acc = fma(d, sa, acc), acc = fma(−dmin, sm, acc). A last sweep
+ * of fewer than 16 rows reads 16 in place (q8 has room for them: kernels.h) and scales only its own; the
+ * sums of the rows past M are never read.
  *
- * Measured on a 2-core Xeon with AMX (docs/PERFORMANCE_LOG.md): the 1.5B's matmuls of 16–64 rows take
- * about 0.75x the AVX-512 kernel's time. The scaling, not the tile products, bounds it: a group's four
- * fp32 steps per row and column are the same work on either path, and vector loads that follow a tile
- * store in program order wait for it, so the two do not overlap (issuing the scaling of the previous
- * sweep between the products and their stores ran slower).
+ * Measured on a 2-core Xeon with AMX (docs/results/xeon/kernel.json, docs/PERFORMANCE_LOG.md): the 1.5B's
+ * int4 matmuls of 16–72 rows run 1.2–1.35x the AVX-512 kernel's speed; at 8 rows they ran slower, hence
+ * AMX4_MIN_ROWS. The scaling bounds it, not the tile products: a group's four fp32 steps per row and
+ * column are the same work on either path, and the tile work (a product and a 1 KB store of its sums per
+ * 16 × 16 outputs) and the vector work did not overlap in any order tried (the scaling of one sweep
+ * issued between the products of the next and their stores ran slower).
  *
  * Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM):
  * verispec_amx_enable asks for it once, and the tile path runs only after it was granted. Every
