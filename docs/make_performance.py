@@ -352,7 +352,7 @@ def formats_section(formats: dict | None) -> list[str]:
                       for fmt, e in kv.items() if isinstance(e, dict)])
         variant = formats.get("environment", {}).get("kernel_variant") or "?"
         out += ["", "The native pass reads and writes all three in place. Over a bfloat16 cache, the `avx512bf16` "
-                "kernels multiply with `vdpbf16ps`, the query and the softmax weights rounded to bf16; other "
+                "and `amx` kernels multiply with `vdpbf16ps`, the query and the softmax weights rounded to bf16; other "
                 f"kernels widen the stored values to float32 (this machine's: `{variant}`). `auto` is bfloat16 "
                 "wherever the native pass runs.", ""]
     return out
