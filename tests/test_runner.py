@@ -85,3 +85,17 @@ def test_a_prefill_that_ignores_row_exact_passes_is_caught(monkeypatch):
     monkeypatch.setattr(model, "exact_pass_rows", lambda store: None)
     whole, split = split_prefill(model, 48)
     assert not torch.equal(whole, split)
+
+
+def test_prefill_pieces_are_whole_tiles_of_16_rows_unless_a_round_needs_more():
+    """Pieces of at most PIECE_ROWS = 64 rows, though a row-exact pass may hold 65: the amx kernels take
+    rows 16 at a time, and a 65th would cost a tile sweep of its own. A finishing prompt whose round holds
+    64 drafts still gets its 65 rows; the padding limit holds as before."""
+    width = ModelRunner.piece_width
+    assert runner_mod.PIECE_ROWS % 16 == 0 and runner_mod.PIECE_ROWS == 64
+    assert width([3090], 65) == 64                           # long prompts: pieces of 64, not 65
+    assert width([3090], 65, least=65) == 65                 # the round's pending token and 64 drafts
+    assert width([125], 65) == 64                            # two pieces of 64, 3 rows of padding
+    assert width([70], 65) == 35                             # 64 would pad 70 to 128: two of 35
+    assert width([40], 65) == 40 and width([5, 7], 65) == 1   # 7 would pad 12 rows to 14
+    assert width([3090], 32) == 32                           # a narrower row-exact pass stays the bound

@@ -13,6 +13,11 @@ from verispec.models import KVCache, Transformer
 # sequence's chunk gets a pass of its own.
 SHARED_PASS_MAX = 16
 PIECE_WASTE = 0.15        # padding a prefill pass may carry to keep its pieces wide (piece_width)
+# Prefill and catch-up pieces are at most this many rows, a multiple of 16, though a row-exact pass may
+# hold one more (a verify pass of 64 drafts): the amx kernels multiply 16 rows per tile, and a 65th
+# row costs nearly a tile sweep of its own (a 3,090-token prompt prefilled 1.12x faster in pieces of 64
+# than of 65 on a Xeon; the same speed either way with the avx512bf16 kernels; docs/PERFORMANCE_LOG.md).
+PIECE_ROWS = 64
 
 
 class ModelRunner:
@@ -76,14 +81,15 @@ class ModelRunner:
 
     @staticmethod
     def piece_width(lengths: list[int], exact: int, least: int = 1) -> int:
-        """The widest piece width (least … exact) that pads chunks of these lengths by at most
+        """The widest piece width (least … min(exact, PIECE_ROWS)) that pads chunks of these lengths by at most
         PIECE_WASTE of their rows, else the one that pads fewest. Wide pieces run faster per row
         (one prompt of ~100 tokens, 1.5B on Zen 4: 5.7 ms per row in pieces of 65, 6.7 in pieces of
         2), but a pass pads every piece to its widest, and the padding is computed too."""
+        exact = max(min(exact, PIECE_ROWS), least)
         longest = max(max(lengths), least)
         balanced = [-(-n // -(-n // exact)) for n in lengths]       # a chunk in equal pieces of ≤ exact
-        widths = sorted({min(max(w, least), longest) for w in (1, 2, 4, 8, 16, 32, 48, exact, *balanced)},
-                        reverse=True)
+        fixed = [w for w in (1, 2, 4, 8, 16, 32, 48) if w < exact]
+        widths = sorted({min(max(w, least), longest) for w in (*fixed, exact, *balanced)}, reverse=True)
         rows = sum(lengths)
         padded = {w: sum(-(-n // w) for n in lengths) * w for w in widths}
         return next((w for w in widths if padded[w] <= rows * (1 + PIECE_WASTE)), min(widths, key=padded.get))
@@ -129,7 +135,7 @@ class ModelRunner:
         shared = max(len(c) for _, c in part) <= SHARED_PASS_MAX
         exact = self.model.exact_pass_rows(self.cache.store)
         for group in [part] if shared else [[p] for p in part]:
-            step = exact or max(len(c) for _, c in group)
+            step = min(exact, PIECE_ROWS) if exact else max(len(c) for _, c in group)
             for at in range(0, max(len(c) for _, c in group), step):
                 pieces = [(s, c[at: at + step]) for s, c in group if len(c) > at]
                 self.forward([s for s, _ in pieces], [c for _, c in pieces], rows=None)
