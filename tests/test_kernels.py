@@ -652,7 +652,8 @@ def test_a_variant_that_cannot_load_gives_way_to_the_next(monkeypatch):
                                    "(Operation not permitted)")
         monkeypatch.setenv("VERISPEC_KERNEL_ISA", "amx")
         assert kernels._load.__wrapped__() is None
-        assert kernels._status == "unavailable: amx: the operating system refused the AMX tile state (Operation not permitted)"
+        assert kernels._status == ("unavailable: amx: the operating system refused the AMX tile state "
+                                   "(Operation not permitted)")
     finally:
         kernels._status = status
 

@@ -44,7 +44,7 @@ from verispec.kernels.packing import (BLOCK, int6_rows, pack_int4, pack_int6, pa
                                       select_block_rows, unpack_int4, unpack_int6, unpack_int8)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "gemm.c", HERE / "gemm4.c", HERE / "amx.c", HERE / "gemm6.c", HERE / "attention.c", HERE / "decoder.c"]
+SOURCES = [HERE / f for f in ("gemm.c", "gemm4.c", "amx.c", "gemm6.c", "attention.c", "decoder.c")]
 HEADER = HERE / "kernels.h"
 ABI = 21
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -262,7 +262,8 @@ def build_variant(name: str, defines: tuple[str, ...] = ()) -> NativeKernels:
     if "amx_tile" in variant.cpu:
         refused = lib.verispec_amx_enable()          # Linux grants the tile state on request only (amx.c)
         if refused:
-            raise RuntimeError(f"the operating system refused the AMX tile state ({os.strerror(refused) if refused > 0 else 'no arch_prctl'})")
+            why = os.strerror(refused) if refused > 0 else "no arch_prctl"
+            raise RuntimeError(f"the operating system refused the AMX tile state ({why})")
     return NativeKernels(lib, name, key)
 
 

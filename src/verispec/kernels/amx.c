@@ -46,8 +46,6 @@ int verispec_amx_enable(void) {
     return 0;
 }
 
-int vs_amx_ready(void) { return amx_granted; }
-
 /* Palette 1. Tiles 0 … 3: C, 16 rows × 16 int32; 4, 5: A, 16 rows × 32 int8; 6, 7: B, 8 rows × 64 bytes. */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -142,7 +140,8 @@ static void q4_amx_rows(const int8_t *q8, long K, const float *s8, const float *
         }
         const uint16_t *sg = ss + (b * S + s) * 32;
         __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
-        __m512 ndmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sg + 16))));
+        __m512 ndmin = _mm512_sub_ps(_mm512_setzero_ps(),
+                                     _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sg + 16))));
         for (long j = 0; j < sweeps; j++) {
             long r0 = 16 * j, rows = j < sweeps - 1 ? 16 : last;     /* a short sweep's products read 16 rows */
             sweep_sums(q8 + r0 * K + 256 * s, K, gn, bt, isum);
@@ -173,7 +172,6 @@ int vs_int4_amx_ws(const int8_t *q8, const float *s8, const float *xs, const uin
 
 #else
 int verispec_amx_enable(void) { return -1; }
-int vs_amx_ready(void) { return 0; }
 int vs_int4_amx_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint8_t *gs,
                    const uint16_t *ss, float *y, long M, long N, long K) {
     (void)q8, (void)s8, (void)xs, (void)wp, (void)gs, (void)ss, (void)y, (void)M, (void)N, (void)K;

@@ -112,7 +112,6 @@ void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const u
 #endif
 int vs_int4_amx_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint8_t *gs,
                    const uint16_t *ss, float *y, long M, long N, long K);
-int vs_amx_ready(void);
 /* Row `id` of the weight that layout holds (K a multiple of 32) -> out (K) float32, dequantized (an
    embedding lookup). */
 void vs_int4_row(const uint32_t *wp, const uint8_t *gs, const uint16_t *ss, long id, long K, float *out);
