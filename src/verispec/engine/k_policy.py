@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from verispec.engine.answer_lengths import AnswerLengths
-from verispec.kernels import has_avx512
+from verispec.kernels import builds_with
 from verispec.models.transformer import ROW_EXACT_MAX_T
 
 EMA = 0.2                 # weight of a new measurement (costs; acceptance once past its prior)
@@ -107,7 +107,7 @@ STATIC_AVX512 = StaticCosts(((2, 1.0), (4, 1.05), (5, 1.12), (6, 1.2), (8, 1.65)
 
 def static_costs(kernel_variant: str | None) -> StaticCosts:
     """The fixed profile for the native kernel variant in use (kernels.active_variant())."""
-    return STATIC_AVX512 if has_avx512(kernel_variant) else STATIC_AVX2
+    return STATIC_AVX512 if builds_with(kernel_variant, "avx512f") else STATIC_AVX2
 
 
 # Speculate only when the model predicts more tokens per second than plain decoding by at least

@@ -58,17 +58,17 @@ class Variant:
     cpu: tuple[str, ...]          # /proc/cpuinfo flags the CPU must have
 
 
-_AVX512BF16 = (("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
-                "-mavx512bf16"),
-               ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"))
-VARIANTS = (
-    Variant("amx", (*_AVX512BF16[0], "-mamx-tile", "-mamx-int8"), (*_AVX512BF16[1], "amx_tile", "amx_int8")),
-    Variant("avx512bf16", *_AVX512BF16),
-    Variant("avx512vnni", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                           "-mavx512vnni"),
-            ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")),
-    Variant("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
-)
+def _extend(base: Variant, name: str, flags: tuple[str, ...], cpu: tuple[str, ...]) -> Variant:
+    """A variant built with everything `base` has and more (each variant below adds to the next one)."""
+    return Variant(name, (*base.flags, *flags), (*base.cpu, *cpu))
+
+
+_AVX2 = Variant("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"))
+_AVX512VNNI = _extend(_AVX2, "avx512vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
+                      ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"))
+_AVX512BF16 = _extend(_AVX512VNNI, "avx512bf16", ("-mavx512bf16",), ("avx512_bf16",))
+VARIANTS = (_extend(_AVX512BF16, "amx", ("-mamx-tile", "-mamx-int8"), ("amx_tile", "amx_int8")),
+            _AVX512BF16, _AVX512VNNI, _AVX2)
 # Vector extensions worth naming in a results file.
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx_vnni",
              "avx512_bf16", "amx_int8")
@@ -143,9 +143,10 @@ def supported_variants() -> list[str]:
     return [v.name for v in VARIANTS if all(f in flags for f in v.cpu)]
 
 
-def has_avx512(name: str | None) -> bool:
-    """Whether variant `name` runs on 512-bit vectors (amx, avx512bf16, avx512vnni)."""
-    return any(v.name == name and "-mavx512f" in v.flags for v in VARIANTS)
+def builds_with(name: str | None, isa: str) -> bool:
+    """Whether variant `name` is compiled for instruction-set extension `isa` (gcc's -m name: "avx512f",
+    "avx512bf16", …): 512-bit vectors in amx, avx512bf16 and avx512vnni, vdpbf16ps in amx and avx512bf16."""
+    return any(v.name == name and f"-m{isa}" in v.flags for v in VARIANTS)
 
 
 def kernel_status() -> str:
