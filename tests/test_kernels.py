@@ -602,33 +602,45 @@ AMX_CASES = [(12, 200, 1536), (13, 37, 896), (16, 48, 8960), (17, 16, 256), (31,
              (64, 37, 896), (65, 33, 1536), (72, 100, 8960), (130, 20, 1536)]
 
 
+def amx_layer(kind: str, n: int, k: int, seed: int):
+    """(the layer, a function (kernels, x) -> its matmul) of one weight format."""
+    if kind == "int4":
+        layer = quant.Int4Linear.from_fields(q4_fields(n, k, seed=seed))
+        return layer, lambda lib, x: lib.int4_gemm(x, layer.packed, layer.groups, layer.supers)
+    layer = quant.Int6Linear.from_fields(q6_fields(n, k, seed=seed))
+    return layer, lambda lib, x: lib.int6_gemm(x, layer.packed, layer.scales, layer.supers)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int6"])
 @pytest.mark.parametrize("m,n,k", AMX_CASES)
-def test_amx_tiles_give_the_vector_kernels_bits(m, n, k):
-    """The int4 matmul on AMX tiles (wide passes: 12 rows and more) forms the AVX-512 kernel's integer sums
-    and runs its fp32 steps in its order: the same bits for every row count — whole and short 16-row
-    sweeps, more rows than a panel of 64, partial super-blocks (K = 896) and partial column blocks."""
+def test_amx_tiles_give_the_vector_kernels_bits(m, n, k, kind):
+    """The int4 and int6 matmuls on AMX tiles (wide passes: 12 or 13 rows and more) form the AVX-512
+    kernels' integer sums and run their fp32 steps in their order: the same bits for every row count —
+    whole and short 16-row sweeps, more rows than a panel of 64, partial super-blocks (K = 896) and partial
+    column blocks."""
     amx, vector = amx_and_vector_kernels()
-    layer = quant.Int4Linear.from_fields(q4_fields(n, k, seed=m))
+    _, gemm = amx_layer(kind, n, k, seed=m)
     x = torch.randn(m, k) * 3
     x[0, :32] = 0.0                                                    # a group whose sums are all zero
-    tiles = amx.int4_gemm(x, layer.packed, layer.groups, layer.supers)
-    assert torch.equal(tiles, vector.int4_gemm(x, layer.packed, layer.groups, layer.supers))
-    alone = amx.int4_gemm(x[m - 1:].contiguous(), layer.packed, layer.groups, layer.supers)   # one row: vector
+    tiles = gemm(amx, x)
+    assert torch.equal(tiles, gemm(vector, x))
+    alone = gemm(amx, x[m - 1:].contiguous())                          # one row: the vector kernel
     assert torch.equal(alone[0], tiles[m - 1])
 
 
-def test_a_misordered_amx_tile_is_caught():
-    """Broken on purpose: the amx variant built with one chunk's two B tile rows swapped (each weight meets
-    the wrong activation). The bit comparison above fails on it — it can fail."""
+@pytest.mark.parametrize("kind,slip", [("int4", "VERISPEC_BROKEN_AMX_B"), ("int6", "VERISPEC_BROKEN_AMX_B6")])
+def test_a_misbuilt_amx_tile_is_caught(kind, slip):
+    """Broken on purpose: the amx variant built with a slip in its B tiles (int4: one chunk's two rows
+    swapped, so each weight meets the wrong activation; int6: four k of every group without their −32).
+    The bit comparison above fails on it — it can fail."""
     amx, vector = amx_and_vector_kernels()
-    broken = kernels.build_variant("amx", ("VERISPEC_BROKEN_AMX_B",))
-    layer = quant.Int4Linear.from_fields(q4_fields(64, 1536, seed=5))
+    broken = kernels.build_variant("amx", (slip,))
+    _, gemm = amx_layer(kind, 64, 1536, seed=5)
     x = torch.randn(16, 1536)
-    expected = vector.int4_gemm(x, layer.packed, layer.groups, layer.supers)
-    assert torch.equal(amx.int4_gemm(x, layer.packed, layer.groups, layer.supers), expected)
-    assert not torch.equal(broken.int4_gemm(x, layer.packed, layer.groups, layer.supers), expected)
-    assert torch.equal(broken.int4_gemm(x[:5].contiguous(), layer.packed, layer.groups, layer.supers),
-                       expected[:5])                                   # narrow passes never touch the tiles
+    expected = gemm(vector, x)
+    assert torch.equal(gemm(amx, x), expected)
+    assert not torch.equal(gemm(broken, x), expected)
+    assert torch.equal(gemm(broken, x[:5].contiguous()), expected[:5])  # narrow passes never touch the tiles
 
 
 def test_a_variant_that_cannot_load_gives_way_to_the_next(monkeypatch):

@@ -5,9 +5,9 @@ rounded to 16-bit integers per row; int4 and int6 weights as Q4_K and Q6_K store
 rounded to 8 bits per group of 32; integer dot products), `attention.c` the row-by-row
 attention of decode and verify passes (reading a static or paged cache in place), `decoder.c` a whole
 pass of a quantized model in one call — its decoder layers, or token ids to logits (see each file's
-header; amx.c the int4 matmul on AMX tiles). The sources are built into one shared library per
+header; amx.c the int4 and int6 matmuls on AMX tiles). The sources are built into one shared library per
 instruction-set variant (`VARIANTS`, best first): `amx` (the next one plus AMX-TILE/AMX-INT8: the int4
-matmul of passes of 12 rows and more on tiles; Linux must grant the process the tile state, else the
+and int6 matmuls of passes of 12 and 13 rows and more on tiles; Linux must grant the process the tile state, else the
 next variant loads), `avx512bf16` (the next one plus AVX512_BF16: attention over a bfloat16 cache
 multiplies with `vdpbf16ps`), `avx512vnni` (AVX-512 F/BW/VL/DQ + VNNI: the int8 matmul on 512-bit
 vectors with `vpdpwssd`) and `avx2` (AVX2 + FMA). At first use the best variant this CPU supports is

@@ -10,10 +10,11 @@
  * AVX-512 variants give the same bits). q · q8 pairs are u8 × s8: vpdpbusd on AVX-512 VNNI, vpmaddubsw +
  * vpmaddwd on AVX2 (a pair sum stays at most 2 · 63 · 127, so nothing saturates, and two of them, added
  * in 16 bits, at most 32,004 < 2¹⁵). On AVX2 the vpmaddwd that widens them also weighs them by their
- * half-group's scale, and the Q term is one more vpmaddwd per group, (sc0, sc1) · (Q0, Q1):
- *   J = (sc0 · I0 + sc1 · I1) − 32 · (sc0 · Q0 + sc1 · Q1)
+ * half-group's scale, and the Q term is one more vpmaddwd per group, (32 sc0, 32 sc1) · (−Q0, −Q1),
+ * which starts the sum:
+ *   J = −32 · (sc0 · Q0 + sc1 · Q1) + sc0 · I0 + sc1 · I1
  * the same integer as above (|sc · I| ≤ 128 · 16 · 63 · 127, so no int32 sum wraps), with no 32-bit
- * multiply (vpmulld) per row. On AVX-512 the join is in fp32 instead of two vpmulld: I' = I − 32 Q of a
+ * multiply (vpmulld) per row and the row's (−Q0, −Q1) pair ready in qs. On AVX-512 the join is in fp32 instead of two vpmulld: I' = I − 32 Q of a
  * half-group is below 16 · 32 · 127 in magnitude and sc · I' below 2²⁴, so float(sc1) · float(I1') is
  * exact and fma(float(sc0), float(I0'), that) rounds the exact integer J once — float(J), the same bits
  * (2–4 % faster at 6–256 rows than the two vpmulld, alternated in one process).
@@ -32,20 +33,31 @@
 #include "kernels.h"
 
 #define MG6 6           /* activation rows per group */
-/* Software prefetch into L2, PF6 groups (384 bytes of a block's weights each, 36 KB) ahead, as gemm4.c. */
-#ifndef PF6
-#define PF6 96
-#endif
-#define W6 96           /* uint32 words per block and group: 6 × 16 */
 
-/* q8 (M, K) int8 -> qs (M, K/16) int32: each half-group's sum (Q8_ORDER permutes within each 8 only). */
+/* q8 (M, K) int8 -> qs: each half-group's sum Q (Q8_ORDER permutes within each 8 only). AVX-512: (M, K/16)
+   int32, one per half-group. AVX2: (M, K/32) int32, a group's two sums negated as 16-bit halves (−Q0
+   low, −Q1 high; |Q| ≤ 16 · 127), the operand of the vpmaddwd that forms the group's Q term. */
+#if defined(__AVX512F__)
+#define QS_ROW(K) ((K) / 16)    /* qs entries per row */
+#else
+#define QS_ROW(K) ((K) / 32)
+#endif
 void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
+#if defined(__AVX512F__)
 #pragma omp for schedule(static)
     for (long it = 0; it < M * (K / 16); it++) {       /* by (row, 16 values): one row keeps every thread busy */
         int32_t s = 0;
         for (int t = 0; t < 16; t++) s += q8[16 * it + t];
         qs[it] = s;
     }
+#else
+#pragma omp for schedule(static)
+    for (long it = 0; it < M * (K / 32); it++) {       /* by (row, group) */
+        int32_t s0 = 0, s1 = 0;
+        for (int t = 0; t < 16; t++) s0 += q8[32 * it + t], s1 += q8[32 * it + 16 + t];
+        qs[it] = (int32_t)(((uint32_t)-s1 << 16) | ((uint32_t)-s0 & 0xFFFFu));
+    }
+#endif
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -107,7 +119,7 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
         enum { NH = (MM) <= NH6 ? 2 : 1 };                                                       \
         const __m256i lo4 = _mm256_set1_epi32(0x0F0F0F0F), hi2 = _mm256_set1_epi32(0x30303030);  \
         const __m256i low16 = _mm256_set1_epi32(0xFFFF);                                          \
-        const long S = (G + 7) / 8, H = 2 * G;                                                    \
+        const long S = (G + 7) / 8;                                                               \
         for (int h0 = 0; h0 < 2; h0 += NH) {                                                      \
             __m256 acc[NH][MM];                                                                   \
             for (int h = 0; h < NH; h++)                                                          \
@@ -121,7 +133,8 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
                 if (h0 == 0)                                     /* the second sweep re-reads */  \
                     for (int l = 0; l < 6; l++) _mm_prefetch((const char *)(wb + PF6 * W6 + 16 * l), _MM_HINT_T1); \
                 /* Per half h of the block, the columns' scales as 16-bit pairs: (sc0, sc0) and (sc1, sc1) \
-                   weigh a chunk's pair sums as vpmaddwd widens them, (sc0, sc1) the Q term. */        \
+                   weigh a chunk's pair sums as vpmaddwd widens them, (32 sc0, 32 sc1) (|·| ≤ 4,096) the \
+                   row's (−Q0, −Q1) to start J at −32 (sc0 · Q0 + sc1 · Q1). */                          \
                 __m256i scw[NH][2], scq[NH];                                                      \
                 for (int h = 0; h < NH; h++) {                                                    \
                     const int8_t *sg = sc + (b * G + g) * 32 + 8 * (h0 + h);                      \
@@ -130,11 +143,12 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
                     s0 = _mm256_and_si256(s0, low16); s1 = _mm256_and_si256(s1, low16);           \
                     scw[h][0] = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));                   \
                     scw[h][1] = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));                   \
-                    scq[h] = _mm256_or_si256(s0, _mm256_slli_epi32(s1, 16));                      \
+                    scq[h] = _mm256_slli_epi16(_mm256_or_si256(s0, _mm256_slli_epi32(s1, 16)), 5); \
                 }                                                                                 \
-                __m256i isum[NH][MM];     /* sc0 · I0 + sc1 · I1 so far (8 columns) */              \
+                __m256i isum[NH][MM];     /* J so far (8 columns) */                                \
                 for (int h = 0; h < NH; h++)                                                      \
-                    for (int m = 0; m < MM; m++) isum[h][m] = _mm256_setzero_si256();             \
+                    for (int m = 0; m < MM; m++)                                                  \
+                        isum[h][m] = _mm256_madd_epi16(scq[h], _mm256_set1_epi32(qs[m * G + g]));  \
                 for (int j = 0; j < 4; j++)                                                       \
                     for (int h = 0; h < NH; h++) {                                                \
                         const uint32_t *wg = wb + 8 * (h0 + h);                                   \
@@ -154,11 +168,8 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
                     }                                                                             \
                 for (int h = 0; h < NH; h++) {                                                    \
                     for (int m = 0; m < MM; m++) {                                                \
-                        const int32_t *qm = qs + m * H + 2 * g;   /* |Q| ≤ 16 · 127: a 16-bit pair */ \
-                        __m256i qp = _mm256_set1_epi32((int32_t)(((uint32_t)qm[1] << 16) | ((uint32_t)qm[0] & 0xFFFFu))); \
-                        __m256i jv = _mm256_sub_epi32(isum[h][m], _mm256_slli_epi32(_mm256_madd_epi16(scq[h], qp), 5)); \
                         __m256 t = _mm256_mul_ps(dv[h], _mm256_set1_ps(s8[m * G + g]));           \
-                        acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(jv), t, acc[h][m]);        \
+                        acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][m]), t, acc[h][m]);  \
                     }                                                                             \
                 }                                                                                 \
             }                                                                                     \
@@ -174,12 +185,13 @@ static const q6_fn Q6[MG6 + 1] = {0, q6_1, q6_2, q6_3, q6_4, q6_5, q6_6};
 
 void vs_int6_gemm_ws(const int8_t *q8, const float *s8, const int32_t *qs, const uint32_t *wp, const int8_t *sc,
                      const uint16_t *ds, float *y, long M, long N, long K) {
+    if (vs_int6_amx_ws(q8, s8, wp, sc, ds, y, M, N, K)) return;             /* the amx variant's tiles */
     long G = K / 32, blocks = (N + 15) / 16, groups = (M + MG6 - 1) / MG6;
 #pragma omp for schedule(static)
     for (long b = 0; b < blocks; b++)
         for (long gi = 0, m0 = 0; gi < groups; gi++) {          /* rows in near-equal groups */
             long mm = (M - m0) / (groups - gi) + ((M - m0) % (groups - gi) != 0);
-            Q6[mm](q8 + m0 * K, K, s8 + m0 * G, qs + m0 * (K / 16), wp, sc, ds, y + m0 * N, N, G, b);
+            Q6[mm](q8 + m0 * K, K, s8 + m0 * G, qs + m0 * QS_ROW(K), wp, sc, ds, y + m0 * N, N, G, b);
             m0 += mm;
         }
 }
@@ -189,7 +201,7 @@ void vs_int6_gemm_ws(const int8_t *q8, const float *s8, const int32_t *qs, const
 int verispec_int6_gemm(const float *x, const uint32_t *wp, const int8_t *sc, const uint16_t *ds, float *y,
                        long M, long N, long K, int threads) {
     if (K % 32) return -1;
-    float *s8 = malloc(sizeof(float) * 2 * M * (K / 32) + sizeof(int32_t) * M * (K / 16) + M * K + 64);
+    float *s8 = malloc(sizeof(float) * 2 * M * (K / 32) + sizeof(int32_t) * M * (K / 16) + (M + 15) / 16 * 16 * K + 64);
     if (!s8) return -2;
     float *xs = s8 + M * (K / 32);
     int32_t *qs = (int32_t *)(xs + M * (K / 32));
