@@ -216,7 +216,7 @@ def main() -> None:
         return
     from verispec.bench.run import environment
 
-    result = {"command": "python docs/measure_formats.py", "environment": environment(), "models": {},
+    result = {"command": " ".join(["python docs/measure_formats.py", *sys.argv[1:]]), "environment": environment(), "models": {},
               "read_gb_s": read_bandwidth()}
     for name in (DRAFT, TARGET):
         entry = decode_speeds(name)

@@ -11,6 +11,7 @@ second after it (32 tokens, greedy, end-of-sequence ignored).
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -60,6 +61,6 @@ for pid, ids in prompts:
           f"({med['llama.cpp'][0] / med['verispec'][0]:.2f}x)  decode {med['llama.cpp'][1]:.1f} vs {med['verispec'][1]:.1f} tok/s "
           f"({med['verispec'][1] / med['llama.cpp'][1]:.2f}x)", flush=True)
 with open(args.out, "w") as f:
-    json.dump({"command": "python docs/measure_llamacpp.py", "environment": {"threads": threads, **kernels.machine(),
+    json.dump({"command": " ".join(["python docs/measure_llamacpp.py", *sys.argv[1:]]), "environment": {"threads": threads, **kernels.machine(),
                                                                    "llama_cpp": llamacpp_build()},
                "new_tokens": N, "rows": rows}, f, indent=1)

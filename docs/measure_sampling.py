@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def main() -> None:
     for name, r in rows.items():
         print(f"{name:30s} {r['token_ms']:.3f} ms per token, {r['verify_round_ms']:.3f} ms per verify round "
               f"(K = {VERIFY_K})", flush=True)
-    result = {"command": "python docs/measure_sampling.py", "environment": environment(), "positions": logits.shape[0],
+    result = {"command": " ".join(["python docs/measure_sampling.py", *sys.argv[1:]]), "environment": environment(), "positions": logits.shape[0],
               "vocab": logits.shape[1], "verify_k": VERIFY_K, "settings": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
