@@ -79,6 +79,41 @@ def test_pass_costs_follow_the_machine_whatever_width_runs():
     assert c.c_p(3) / c.c_p(1) == pytest.approx(1.4, rel=0.05)
 
 
+def test_a_processs_cold_first_passes_do_not_set_the_level():
+    """A process's first target passes carry one-off costs (measured: 129 ms, then 47-51 ms): with the
+    level an EMA from the first pass, c_p(1) read ~2x high for a dozen passes, inflating every price
+    derived from it. Over its first WARM passes a calibrated bucket keeps the fastest; a slow spell
+    afterwards still moves it."""
+    from verispec.engine.k_policy import WARM
+
+    c = CostModel()
+    c.seed({2: 1.1, 3: 1.2})
+    c.record_verify(1, 0.129)                 # cold
+    c.record_verify(3, 0.050 * 1.2)
+    c.record_verify(2, 0.048 * 1.1)
+    assert WARM == 3 and c.c_p(1) == pytest.approx(0.048)
+    for _ in range(30):
+        c.record_verify(1, 0.096)             # the machine at half speed, later
+    assert c.c_p(1) == pytest.approx(0.096, rel=0.01)
+
+
+def test_only_a_long_catch_up_sets_the_catch_up_rate():
+    """A catch-up of a few tokens costs about one pass whatever its length; as a rate per token it
+    priced a 125-token backlog at twice what it took (measured on the 0.5B: 5.4 ms a token from a
+    5-token catch-up, 2.6 from 140). Catch-ups shorter than CATCHUP_MIN tokens leave the rate alone."""
+    from verispec.engine.k_policy import CATCHUP_MIN
+
+    c = CostModel()
+    c.record_verify(1, 0.04)
+    c.seed_propose("draft", 0.25)             # c_q 10 ms: the catch-up prior is 2 ms a token
+    prior = c.c_catchup("draft")
+    c.record_catchup("draft", 5, 0.027)
+    c.record_catchup("draft", CATCHUP_MIN - 1, 0.05)
+    assert c.c_catchup("draft") == prior
+    c.record_catchup("draft", 140, 140 * 0.0026)
+    assert c.c_catchup("draft") == pytest.approx((prior + 0.0026) / 2)
+
+
 def test_a_first_measurement_with_one_off_costs_does_not_lock_the_draft_out():
     """A model's first call in a process is slow; taken at face value it priced the draft out and no
     later draft step ever measured it again. Half-way from the prior, it is tried and corrected."""
@@ -338,7 +373,7 @@ def test_a_batch_does_not_start_drafting_when_catch_ups_cost_more_than_they_save
     for n in range(1, 6):
         p.costs.record_verify(n, 0.1 * (1 + 0.1 * (n - 1)), batch=2)
     p.costs.record_propose("draft", 1, 0.01)
-    p.costs.record_catchup("draft", 1, 0.02)
+    p.costs.record_catchup("draft", 100, 100 * 0.02)
     seqs = [SimpleNamespace(slot=i, generated=[], params=SamplingParams(temperature=0, max_tokens=30)) for i in (0, 1)]
     assert p.choose_round(seqs, ["draft", "draft"]) != [0, 0]
     assert p.choose_round(seqs, ["draft", "draft"], backlogs=[800, 800]) == [0, 0]
@@ -536,7 +571,7 @@ def test_a_draft_catch_up_is_amortised_over_the_answer_expected_not_over_its_cap
         for n in range(1, 6):
             p.costs.record_verify(n, 0.1 * (1 + 0.1 * (n - 1)))
         p.costs.record_propose("draft", 1, 0.02)
-        p.costs.record_catchup("draft", 1, 0.003)
+        p.costs.record_catchup("draft", 100, 100 * 0.003)
         p.shared[("draft", "greedy")] = [0.8] * p.k_max
         for _ in range(50):
             p.finished(answer, capped=False)

@@ -59,6 +59,8 @@ PROBE_MAX = 256           # … doubling the wait after each probe that did not 
 SHARED_EMA = 0.05         # weight of one sequence's round in the shared (cross-sequence) prior
 SHARE_PRIOR = (1, 2)      # a source's share of a sequence's rounds starts as 1 won of 2 (choose_for)
 CATCHUP_PRIOR = 0.2       # unmeasured catch-up cost per token, as a fraction of the proposer's c_q
+CATCHUP_MIN = 16          # catch-ups of fewer tokens measure a pass's fixed cost, not the cost per token
+WARM = 3                  # a calibrated bucket's first passes: the level keeps the fastest (CostModel)
 SPIKE = 4.0               # one proposer timing counts as at most this many times the current estimate
 
 
@@ -232,7 +234,11 @@ class CostModel:
             self.level[bucket], self.last_width[bucket] = seconds / self._ratio(bucket, width), width
             return
         if bucket in self.calibrated:
-            self.level[bucket] = (1 - EMA) * level + EMA * seconds / self._ratio(bucket, width)
+            n = self.counts[("verify", str(bucket))] = self.counts.get(("verify", str(bucket)), 1) + 1
+            level_now = seconds / self._ratio(bucket, width)
+            # A process's first passes carry one-off costs (measured: 129 ms, then 47–51, for the
+            # 1.5B on a Xeon): with EMA alone the level kept their trace for some twenty passes.
+            self.level[bucket] = min(level, level_now) if n <= WARM else (1 - EMA) * level + EMA * level_now
             return
         if width > 1 and (bucket, width) not in self.ratio:
             self._set_ratio(bucket, width, seconds / level)     # a width's first pass: its ratio
@@ -251,7 +257,11 @@ class CostModel:
         self._record_per_token("propose", self.propose, source, tokens, seconds, self.c_q(source))
 
     def record_catchup(self, source: str, tokens: int, seconds: float) -> None:
-        self._record_per_token("catchup", self.catchup, source, tokens, seconds, self.c_catchup(source))
+        """A catch-up of CATCHUP_MIN tokens or more: its pass's fixed cost (a proposal step's worth)
+        spread over a few tokens overstated the rate that prices backlogs of hundreds — measured, a
+        warm-up's 5-token catch-up priced the 0.5B's at 5 ms a token where 140 tokens took 2.6."""
+        if tokens >= CATCHUP_MIN:
+            self._record_per_token("catchup", self.catchup, source, tokens, seconds, self.c_catchup(source))
 
     def _record_per_token(self, name: str, table: dict[str, float], source: str, tokens: int,
                           seconds: float, prior: float) -> None:
