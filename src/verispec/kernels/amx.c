@@ -129,42 +129,6 @@ static inline void sweep_sums(const int8_t *a, long astride, long gn, int32_t (*
     }
 }
 
-/* Rows 0 … R-1 (R ≤ 16 · PANEL) of q8 (row stride K, room for R rounded up to 16) through column block b
-   -> y (rows of N). */
-static void q4_amx_rows(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp,
-                        const uint8_t *gs, const uint16_t *ss, float *y, long N, long G, long b, long R) {
-    static __thread int32_t isum[8][16][16] __attribute__((aligned(64)));     /* a sweep's sums */
-    static __thread int32_t bt[8][8][16] __attribute__((aligned(64)));        /* a super-block's B tiles */
-    static __thread __m512 acc[16 * PANEL];
-    const long S = (G + 7) / 8, sweeps = (R + 15) / 16, last = R - 16 * (sweeps - 1);
-    for (long r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (long s = 0; s < S; s++) {
-        long gn = G - 8 * s < 8 ? G - 8 * s : 8;
-        unpack_b(wp, G, b, s, gn, bt);
-        __m512 scf[8], mf[8];
-        for (long gi = 0; gi < gn; gi++) {
-            const uint8_t *gg = gs + (b * G + 8 * s + gi) * 32;
-            scf[gi] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)gg)));
-            mf[gi] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(gg + 16))));
-        }
-        const uint16_t *sg = ss + (b * S + s) * 32;
-        __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
-        __m512 ndmin = _mm512_sub_ps(_mm512_setzero_ps(),
-                                     _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sg + 16))));
-        for (long j = 0; j < sweeps; j++) {
-            long r0 = 16 * j, rows = j < sweeps - 1 ? 16 : last;     /* a short sweep's products read 16 rows */
-            sweep_sums(q8 + r0 * K + 256 * s, K, gn, bt, isum);
-            if (gn == 8)                                  /* a whole super-block: the loop unrolled */
-                scale_rows(isum, scf, mf, dv, ndmin, s8 + r0 * G + 8 * s, xs + r0 * G + 8 * s, G, rows, 8, acc + r0);
-            else
-                scale_rows(isum, scf, mf, dv, ndmin, s8 + r0 * G + 8 * s, xs + r0 * G + 8 * s, G, rows, gn, acc + r0);
-        }
-    }
-    long c = 16 * b, left = N - c;
-    __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    for (long r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * N + c, k, acc[r]);
-}
-
 /* The int6 matmul's tiles (gemm6.c's Q6_K layout). Its scales weigh half-groups of 16, so each tile
    product covers one half-group: A 16 rows × 16 int8, B 4 rows × 64 bytes. B holds q − 32 (−32 … 31),
    so a product is I − 32 Q itself, the integer gemm6.c's AVX-512 kernel forms. Tiles 0 … 3: C; 4, 5: A;
@@ -243,32 +207,57 @@ static inline __attribute__((always_inline)) void scale_rows6(
     }
 }
 
-/* Rows 0 … R-1 (R ≤ 16 · PANEL) of q8 (row stride K, room for R rounded up to 16) through int6 column
-   block b -> y (rows of N). */
-static void q6_amx_rows(const int8_t *q8, long K, const float *s8, const uint32_t *wp, const int8_t *sc,
-                        const uint16_t *ds, float *y, long N, long G, long b, long R) {
-    static __thread int32_t isum[16][16][16] __attribute__((aligned(64)));    /* a sweep's half-group sums */
+/* Rows 0 … R-1 (R ≤ 16 · PANEL) of q8 (row stride K, room for R rounded up to 16) through column block b
+   -> y (rows of N): int4 (six = 0; scales: gs, supers: ss, xs the groups' sums) or int6 (six = 1;
+   scales: sc, supers: ds). Per super-block its B tiles and factors, then each 16-row sweep's products
+   and their scaling. */
+static inline __attribute__((always_inline)) void amx_rows(
+        int six, const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp, const void *scales,
+        const uint16_t *supers, float *y, long N, long G, long b, long R) {
+    static __thread int32_t isum[16][16][16] __attribute__((aligned(64)));    /* a sweep's (half-)group sums */
     static __thread int32_t bt[8][8][16] __attribute__((aligned(64)));        /* a super-block's B tiles */
     static __thread __m512 acc[16 * PANEL];
     const long S = (G + 7) / 8, sweeps = (R + 15) / 16, last = R - 16 * (sweeps - 1);
     for (long r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (long s = 0; s < S; s++) {
         long gn = G - 8 * s < 8 ? G - 8 * s : 8;
-        unpack_b6(wp, G, b, s, gn, bt);
-        __m512 sc0f[8], sc1f[8];
-        for (long gi = 0; gi < gn; gi++) {
-            const int8_t *sg = sc + (b * G + 8 * s + gi) * 32;
-            sc0f[gi] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sg)));
-            sc1f[gi] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sg + 16))));
+        __m512 f0[8], f1[8], dv, ndmin = _mm512_setzero_ps();   /* int4: sc, m, d, −dmin; int6: sc0, sc1, d */
+        if (six) {
+            unpack_b6(wp, G, b, s, gn, bt);
+            for (long gi = 0; gi < gn; gi++) {
+                const int8_t *sg = (const int8_t *)scales + (b * G + 8 * s + gi) * 32;
+                f0[gi] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sg)));
+                f1[gi] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sg + 16))));
+            }
+            dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(supers + (b * S + s) * 16)));
+        } else {
+            unpack_b(wp, G, b, s, gn, bt);
+            for (long gi = 0; gi < gn; gi++) {
+                const uint8_t *gg = (const uint8_t *)scales + (b * G + 8 * s + gi) * 32;
+                f0[gi] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)gg)));
+                f1[gi] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(gg + 16))));
+            }
+            const uint16_t *sg = supers + (b * S + s) * 32;
+            dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
+            ndmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sg + 16))));
         }
-        __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ds + (b * S + s) * 16)));
         for (long j = 0; j < sweeps; j++) {
             long r0 = 16 * j, rows = j < sweeps - 1 ? 16 : last;     /* a short sweep's products read 16 rows */
-            sweep_sums6(q8 + r0 * K + 256 * s, K, gn, bt, isum);
-            if (gn == 8)                                  /* a whole super-block: the loop unrolled */
-                scale_rows6(isum, sc0f, sc1f, dv, s8 + r0 * G + 8 * s, G, rows, 8, acc + r0);
-            else
-                scale_rows6(isum, sc0f, sc1f, dv, s8 + r0 * G + 8 * s, G, rows, gn, acc + r0);
+            const int8_t *a = q8 + r0 * K + 256 * s;
+            const float *s8r = s8 + r0 * G + 8 * s;
+            if (six) {
+                sweep_sums6(a, K, gn, bt, isum);
+                if (gn == 8)                              /* a whole super-block: the loop unrolled */
+                    scale_rows6(isum, f0, f1, dv, s8r, G, rows, 8, acc + r0);
+                else
+                    scale_rows6(isum, f0, f1, dv, s8r, G, rows, gn, acc + r0);
+            } else {
+                sweep_sums(a, K, gn, bt, isum);
+                if (gn == 8)
+                    scale_rows(isum, f0, f1, dv, ndmin, s8r, xs + r0 * G + 8 * s, G, rows, 8, acc + r0);
+                else
+                    scale_rows(isum, f0, f1, dv, ndmin, s8r, xs + r0 * G + 8 * s, G, rows, gn, acc + r0);
+            }
         }
     }
     long c = 16 * b, left = N - c;
@@ -276,31 +265,43 @@ static void q6_amx_rows(const int8_t *q8, long K, const float *s8, const uint32_
     for (long r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * N + c, k, acc[r]);
 }
 
-int vs_int6_amx_ws(const int8_t *q8, const float *s8, const uint32_t *wp, const int8_t *sc, const uint16_t *ds,
-                   float *y, long M, long N, long K) {
-    if (!amx_granted || M < AMX6_MIN_ROWS) return 0;
+static void q4_amx_rows(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp,
+                        const void *gs, const uint16_t *ss, float *y, long N, long G, long b, long R) {
+    amx_rows(0, q8, K, s8, xs, wp, gs, ss, y, N, G, b, R);
+}
+
+static void q6_amx_rows(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp,
+                        const void *sc, const uint16_t *ds, float *y, long N, long G, long b, long R) {
+    amx_rows(1, q8, K, s8, xs, wp, sc, ds, y, N, G, b, R);
+}
+
+typedef void (*amx_rows_fn)(const int8_t *, long, const float *, const float *, const uint32_t *, const void *,
+                            const uint16_t *, float *, long, long, long, long);
+
+/* Every column block of y (M, N) through `rows`, panels of up to 16 · PANEL rows, the tiles as cfg. */
+static void amx_gemm(const tile_config *cfg, amx_rows_fn rows, const int8_t *q8, const float *s8, const float *xs,
+                     const uint32_t *wp, const void *scales, const uint16_t *supers, float *y, long M, long N, long K) {
     long G = K / 32, blocks = (N + 15) / 16;
-    _tile_loadconfig(&AMX6);
+    _tile_loadconfig(cfg);
 #pragma omp for schedule(static)
     for (long b = 0; b < blocks; b++)
         for (long m0 = 0; m0 < M; m0 += 16 * PANEL)
-            q6_amx_rows(q8 + m0 * K, K, s8 + m0 * G, wp, sc, ds, y + m0 * N, N, G, b,
-                        M - m0 < 16 * PANEL ? M - m0 : 16 * PANEL);
+            rows(q8 + m0 * K, K, s8 + m0 * G, xs ? xs + m0 * G : 0, wp, scales, supers, y + m0 * N, N, G, b,
+                 M - m0 < 16 * PANEL ? M - m0 : 16 * PANEL);
     _tile_release();
+}
+
+int vs_int6_amx_ws(const int8_t *q8, const float *s8, const uint32_t *wp, const int8_t *sc, const uint16_t *ds,
+                   float *y, long M, long N, long K) {
+    if (!amx_granted || M < AMX6_MIN_ROWS) return 0;
+    amx_gemm(&AMX6, q6_amx_rows, q8, s8, 0, wp, sc, ds, y, M, N, K);
     return 1;
 }
 
 int vs_int4_amx_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint8_t *gs,
                    const uint16_t *ss, float *y, long M, long N, long K) {
     if (!amx_granted || M < AMX4_MIN_ROWS) return 0;
-    long G = K / 32, blocks = (N + 15) / 16;
-    _tile_loadconfig(&AMX4);
-#pragma omp for schedule(static)
-    for (long b = 0; b < blocks; b++)
-        for (long m0 = 0; m0 < M; m0 += 16 * PANEL)
-            q4_amx_rows(q8 + m0 * K, K, s8 + m0 * G, xs + m0 * G, wp, gs, ss, y + m0 * N, N, G, b,
-                        M - m0 < 16 * PANEL ? M - m0 : 16 * PANEL);
-    _tile_release();
+    amx_gemm(&AMX4, q4_amx_rows, q8, s8, xs, wp, gs, ss, y, M, N, K);
     return 1;
 }
 
