@@ -234,7 +234,8 @@ class CostModel:
             self.level[bucket], self.last_width[bucket] = seconds / self._ratio(bucket, width), width
             return
         if bucket in self.calibrated:
-            n = self.counts[("verify", str(bucket))] = self.counts.get(("verify", str(bucket)), 1) + 1
+            key = ("verify", str(bucket))                 # passes so far, the one that set the level first
+            n = self.counts[key] = self.counts.get(key, 1) + 1
             level_now = seconds / self._ratio(bucket, width)
             # A process's first passes carry one-off costs (measured: 129 ms, then 47–51, for the
             # 1.5B on a Xeon): with EMA alone the level kept their trace for some twenty passes.

@@ -265,43 +265,32 @@ static inline __attribute__((always_inline)) void amx_rows(
     for (long r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * N + c, k, acc[r]);
 }
 
-static void q4_amx_rows(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp,
-                        const void *gs, const uint16_t *ss, float *y, long N, long G, long b, long R) {
-    amx_rows(0, q8, K, s8, xs, wp, gs, ss, y, N, G, b, R);
-}
-
-static void q6_amx_rows(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp,
-                        const void *sc, const uint16_t *ds, float *y, long N, long G, long b, long R) {
-    amx_rows(1, q8, K, s8, xs, wp, sc, ds, y, N, G, b, R);
-}
-
-typedef void (*amx_rows_fn)(const int8_t *, long, const float *, const float *, const uint32_t *, const void *,
-                            const uint16_t *, float *, long, long, long, long);
-
-/* Every column block of y (M, N) through `rows`, panels of up to 16 · PANEL rows, the tiles as cfg. */
-static void amx_gemm(const tile_config *cfg, amx_rows_fn rows, const int8_t *q8, const float *s8, const float *xs,
-                     const uint32_t *wp, const void *scales, const uint16_t *supers, float *y, long M, long N, long K) {
+/* Every column block of y (M, N) in panels of up to 16 · PANEL rows (amx_rows' arguments), the tiles as
+   cfg. */
+static inline __attribute__((always_inline)) void amx_gemm(
+        int six, const tile_config *cfg, const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp,
+        const void *scales, const uint16_t *supers, float *y, long M, long N, long K) {
     long G = K / 32, blocks = (N + 15) / 16;
     _tile_loadconfig(cfg);
 #pragma omp for schedule(static)
     for (long b = 0; b < blocks; b++)
         for (long m0 = 0; m0 < M; m0 += 16 * PANEL)
-            rows(q8 + m0 * K, K, s8 + m0 * G, xs ? xs + m0 * G : 0, wp, scales, supers, y + m0 * N, N, G, b,
-                 M - m0 < 16 * PANEL ? M - m0 : 16 * PANEL);
+            amx_rows(six, q8 + m0 * K, K, s8 + m0 * G, six ? xs : xs + m0 * G, wp, scales, supers, y + m0 * N, N,
+                     G, b, M - m0 < 16 * PANEL ? M - m0 : 16 * PANEL);
     _tile_release();
 }
 
 int vs_int6_amx_ws(const int8_t *q8, const float *s8, const uint32_t *wp, const int8_t *sc, const uint16_t *ds,
                    float *y, long M, long N, long K) {
     if (!amx_granted || M < AMX6_MIN_ROWS) return 0;
-    amx_gemm(&AMX6, q6_amx_rows, q8, s8, 0, wp, sc, ds, y, M, N, K);
+    amx_gemm(1, &AMX6, q8, s8, 0, wp, sc, ds, y, M, N, K);
     return 1;
 }
 
 int vs_int4_amx_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint8_t *gs,
                    const uint16_t *ss, float *y, long M, long N, long K) {
     if (!amx_granted || M < AMX4_MIN_ROWS) return 0;
-    amx_gemm(&AMX4, q4_amx_rows, q8, s8, xs, wp, gs, ss, y, M, N, K);
+    amx_gemm(0, &AMX4, q8, s8, xs, wp, gs, ss, y, M, N, K);
     return 1;
 }
 

@@ -62,7 +62,6 @@ static void linear_ws(const linear_weights *lw, const float *x, int16_t *qx, flo
         float *xs = sx + R * (K / 32);
         int32_t *qs = (int32_t *)(xs + R * (K / 32));
         vs_quantize_groups8_ws(x, R, K, (int8_t *)qx, sx, xs);
-        vs_q8_sums16_ws((const int8_t *)qx, R, K, qs);
         vs_int6_gemm_ws((const int8_t *)qx, sx, qs, lw->w, lw->scale, lw->super, y, R, N, K);
     } else if (lw->format == 1) {
         float *xs = sx + R * (K / 32);

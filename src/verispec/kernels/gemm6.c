@@ -2,7 +2,7 @@
  * with q in 0 … 63, h = k / 16 the half-group, s = k / 256 the super-block; sc an int8 per half-group,
  * d fp16 per super-block. Activations are rounded as for int4 (gemm4.c): q8[m, k] · s8[m, g] per row and
  * group g of 32. With the exact integers I[m, n, h] = Σ_{k in h} q[n, k] · q8[m, k] and
- * Q[m, h] = Σ_{k in h} q8[m, k] (vs_q8_sums16_ws),
+ * Q[m, h] = Σ_{k in h} q8[m, k] (q8_sums16_ws),
  *   J[m, n, g] = sc[n, 2g] · (I[m, n, 2g] − 32 Q[m, 2g]) + sc[n, 2g+1] · (I[m, n, 2g+1] − 32 Q[m, 2g+1])
  *   y[m, n]    = Σ_g float(J[m, n, g]) · (d[n, g / 8] · s8[m, g])
  * in ascending g: J is an exact integer (|J| < 2³¹), rounded once to fp32, then one product and one FMA
@@ -14,10 +14,11 @@
  * which starts the sum:
  *   J = −32 · (sc0 · Q0 + sc1 · Q1) + sc0 · I0 + sc1 · I1
  * the same integer as above (|sc · I| ≤ 128 · 16 · 63 · 127, so no int32 sum wraps), with no 32-bit
- * multiply (vpmulld) per row and the row's (−Q0, −Q1) pair ready in qs. On AVX-512 the join is in fp32 instead of two vpmulld: I' = I − 32 Q of a
- * half-group is below 16 · 32 · 127 in magnitude and sc · I' below 2²⁴, so float(sc1) · float(I1') is
- * exact and fma(float(sc0), float(I0'), that) rounds the exact integer J once — float(J), the same bits
- * (2–4 % faster at 6–256 rows than the two vpmulld, alternated in one process).
+ * multiply (vpmulld) per row and the row's (−Q0, −Q1) pair ready in qs. On AVX-512 the join is in fp32
+ * instead of two vpmulld: I' = I − 32 Q of a half-group is below 16 · 32 · 127 in magnitude and sc · I'
+ * below 2²⁴, so float(sc1) · float(I1') is exact and fma(float(sc0), float(I0'), that) rounds the exact
+ * integer J once — float(J), the same bits (2–4 % faster at 6–256 rows than the two vpmulld, alternated
+ * in one process).
  *
  * Layout (kernels.pack_int6), 16 output columns per block, zero past N:
  *   wp (ceil(N/16), K/32, 6, 16) uint32: words 0 … 3 of group g hold the low nibbles of chunk j (k = 32g
@@ -42,7 +43,7 @@
 #else
 #define QS_ROW(K) ((K) / 32)
 #endif
-void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
+static void q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
 #if defined(__AVX512F__)
 #pragma omp for schedule(static)
     for (long it = 0; it < M * (K / 16); it++) {       /* by (row, 16 values): one row keeps every thread busy */
@@ -183,9 +184,10 @@ typedef void (*q6_fn)(const int8_t *, long, const float *, const int32_t *, cons
                       const uint16_t *, float *, long, long, long);
 static const q6_fn Q6[MG6 + 1] = {0, q6_1, q6_2, q6_3, q6_4, q6_5, q6_6};
 
-void vs_int6_gemm_ws(const int8_t *q8, const float *s8, const int32_t *qs, const uint32_t *wp, const int8_t *sc,
+void vs_int6_gemm_ws(const int8_t *q8, const float *s8, int32_t *qs, const uint32_t *wp, const int8_t *sc,
                      const uint16_t *ds, float *y, long M, long N, long K) {
     if (vs_int6_amx_ws(q8, s8, wp, sc, ds, y, M, N, K)) return;             /* the amx variant's tiles */
+    q8_sums16_ws(q8, M, K, qs);                       /* the vector kernels' Q terms (the tiles need none) */
     long G = K / 32, blocks = (N + 15) / 16, groups = (M + MG6 - 1) / MG6;
 #pragma omp for schedule(static)
     for (long b = 0; b < blocks; b++)
@@ -209,7 +211,6 @@ int verispec_int6_gemm(const float *x, const uint32_t *wp, const int8_t *sc, con
 #pragma omp parallel num_threads(threads)
     {
         vs_quantize_groups8_ws(x, M, K, q8, s8, xs);
-        vs_q8_sums16_ws(q8, M, K, qs);
         vs_int6_gemm_ws(q8, s8, qs, wp, sc, ds, y, M, N, K);
     }
     free(s8);

@@ -116,17 +116,16 @@ int vs_int4_amx_ws(const int8_t *q8, const float *s8, const float *xs, const uin
    embedding lookup). */
 void vs_int4_row(const uint32_t *wp, const uint8_t *gs, const uint16_t *ss, long id, long K, float *out);
 
-/* int6 matmul (gemm6.c): activations rounded as for int4, plus each half-group's integer sum (qs: at most
-   M × K/16 int32, in the variant's form), then y (M, N) from the packed 6-bit words wp, the half-groups' int8 scales sc and the
-   super-blocks' fp16 factors ds. */
-void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs);
+/* int6 matmul (gemm6.c): activations rounded as for int4, then y (M, N) from the packed 6-bit words wp,
+   the half-groups' int8 scales sc and the super-blocks' fp16 factors ds. qs: scratch for M × K/16 int32,
+   where the vector kernels keep the half-groups' activation sums. */
 #define W6 96           /* uint32 words per block and group of gemm6.c's layout: 6 × 16 */
 /* Software prefetch into L2, PF6 groups (384 bytes of a block's weights each, 36 KB) ahead, as PF4. */
 #ifndef PF6
 #define PF6 96
 #endif
 /* The same matmul on AMX tiles (amx.c), the same bits, from AMX6_MIN_ROWS rows: as vs_int4_amx_ws (q8
-   room for whole tiles of 16 rows; qs not read). */
+   room for whole tiles of 16 rows). */
 #ifndef AMX6_MIN_ROWS
 #define AMX6_MIN_ROWS 13
 #endif
@@ -135,7 +134,7 @@ void vs_q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs);
 #endif
 int vs_int6_amx_ws(const int8_t *q8, const float *s8, const uint32_t *wp, const int8_t *sc, const uint16_t *ds,
                    float *y, long M, long N, long K);
-void vs_int6_gemm_ws(const int8_t *q8, const float *s8, const int32_t *qs, const uint32_t *wp, const int8_t *sc,
+void vs_int6_gemm_ws(const int8_t *q8, const float *s8, int32_t *qs, const uint32_t *wp, const int8_t *sc,
                      const uint16_t *ds, float *y, long M, long N, long K);
 
 /* Where a layer's keys and values live: position s of batch row b, KV head h, dimension d is at
