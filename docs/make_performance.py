@@ -377,6 +377,24 @@ def kernel_section(kernel: dict | None) -> list[str]:
     return out
 
 
+def variants_section(result: dict | None) -> list[str]:
+    """Whole passes by kernel variant (docs/measure_variants.py); nothing where not measured (a CPU with one
+    variant has nothing to compare)."""
+    if result is None:
+        return []
+    out = ["### Whole passes by kernel variant", ""]
+    out += [f"Command: `{command_line(result)}` ({result['threads']} threads, {machine_line(result)}). One "
+            f"{result['model']} pass over n new tokens after 128 cached, default format, {result.get('kv_dtype', 'float32')} "
+            f"cache; medians of {result['rounds']} rounds in which every variant this CPU runs times every width, "
+            "the variants taking turns. The first column is the variant verispec runs here; the others are what a "
+            "CPU without its extensions would run on this core and memory.", ""]
+    variants = result["variants"]
+    widths = list(next(iter(variants.values())))
+    out += table(["n"] + [f"`{v}` ms (× n = 1)" for v in variants],
+                 [[n] + [f"{t[n] * 1e3:.1f} ({t[n] / t['1']:.2f})" for t in variants.values()] for n in widths]) + [""]
+    return out
+
+
 def ttft_section(result: dict | None) -> list[str]:
     out = ["### Prefill and decode apart", ""]
     if result is None:
@@ -525,7 +543,7 @@ def kind_section(kind: str, title: str) -> list[str]:
     """Every measurement made on another machine kind: costs, prefill and decode against llama.cpp,
     whole answers against llama.cpp, the suite, the long copy, the weight formats, the matmul kernels."""
     loaded = [(fn, load(f"{kind}/{name}")) for fn, name in (
-        (costs_section, "profile.json"), (sampling_section, "sampling.json"), (ttft_section, "llamacpp-ttft.json"), (llamacpp_section, "bench-llamacpp.json"),
+        (costs_section, "profile.json"), (variants_section, "variants.json"), (sampling_section, "sampling.json"), (ttft_section, "llamacpp-ttft.json"), (llamacpp_section, "bench-llamacpp.json"),
         (llamacpp_cli_section, "llamacpp-cli.json"),
         (suite_section, "bench-suite.json"), (longcopy_section, "bench-longcopy.json"), (formats_section, "formats.json"),
         (kernel_section, "kernel.json"))]
@@ -556,6 +574,7 @@ def main() -> None:
     out += suite_section(suite)
     out += fixedk_section(load("bench-fixedk.json"), suite)
     out += costs_section(load("profile.json"))
+    out += variants_section(load("variants.json"))
     out += sampling_section(load("sampling.json"))
     out += ksweep_section(load("bench-ksweep.json"), suite)
     out += batch_section(load("bench-batch.json"), suite)

@@ -50,6 +50,7 @@ verispec bench --prompts docs/prompts/long-copy.jsonl --modes ngram,hybrid --ks 
 python docs/measure_formats.py --out $R/formats.json
 # The matmul kernels alone at the 1.5B's shapes, by row count, each ISA variant and format.
 python docs/measure_kernel.py --out $R/kernel.json
+python docs/measure_variants.py --out $R/variants.json
 # Losslessness certificate on the real pair (0.5B drafts for the 1.5B, K = 4, T = 0.8).
 verispec verify --draft qwen2.5-coder-0.5b-instruct --k 4 --samples 600 --json $R/verify.json > $R/verify.txt
 # The server under load, without and with speculation.

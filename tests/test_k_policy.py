@@ -706,23 +706,23 @@ def test_seeded_requests_are_priced_with_the_fixed_profile_of_the_kernel_kind():
     either way the schedule never reads the measured costs."""
     from types import SimpleNamespace
 
-    from verispec.engine.k_policy import STATIC_AVX2, STATIC_AVX512, static_costs
+    from verispec.engine.k_policy import STATIC_AVX2, STATIC_AVX512, STATIC_AVXVNNI, static_costs
     from verispec.engine.params import SamplingParams
 
     assert static_costs("avx512bf16") is STATIC_AVX512 and static_costs("avx512vnni") is STATIC_AVX512
-    assert static_costs("amx") is STATIC_AVX512
+    assert static_costs("amx") is STATIC_AVX512 and static_costs("avxvnni") is STATIC_AVXVNNI
     assert static_costs("avx2") is STATIC_AVX2 and static_costs(None) is STATIC_AVX2
     assert STATIC_AVX2.c_p(1) == 1.0 and STATIC_AVX2.c_p(5) == pytest.approx(2.05) and STATIC_AVX2.c_p(7) == pytest.approx(2.725)
     assert STATIC_AVX512.c_p(3) == pytest.approx(1.025) and STATIC_AVX512.c_p(80) > STATIC_AVX512.c_p(65)
     seeded = SimpleNamespace(slot=0, generated=[], params=SamplingParams(temperature=0.7, max_tokens=64, seed=1))
     ks = {}
-    for name, profile in (("avx2", STATIC_AVX2), ("avx512", STATIC_AVX512)):
+    for name, profile in (("avx2", STATIC_AVX2), ("avxvnni", STATIC_AVXVNNI), ("avx512", STATIC_AVX512)):
         p = KPolicy("auto", k_max=8, static=profile)
         p.costs.record_verify(1, 0.03)
         p.costs.record_propose("draft", 1, 0.5)                 # measured: dearer than a pass (ignored)
         p._estimate(0, "draft", greedy=False, use_shared=False).rates = [0.8] * 8   # 80 % accepted
         ks[name] = p.choose_round([seeded], ["draft"])[0]
-    assert 0 < ks["avx2"] < ks["avx512"]
+    assert 0 < ks["avx2"] <= ks["avxvnni"] <= ks["avx512"] and ks["avx2"] < ks["avx512"]
 
 
 def test_a_catch_up_is_repaid_only_by_the_rounds_its_source_is_expected_to_draft():

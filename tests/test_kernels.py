@@ -557,12 +557,13 @@ def test_every_variant_gives_the_same_matmul_bits():
         for other in libs[1:]:
             assert torch.equal(other.int8_gemm(x, packed, scale), first), (other.variant, m, n, k)
     layer = quant.Int4Linear.from_fields(q4_fields(100, 8960))
-    x = torch.randn(5, 8960)
-    first = libs[0].int4_gemm(x, layer.packed, layer.groups, layer.supers)
-    for other in libs[1:]:
-        assert torch.equal(other.int4_gemm(x, layer.packed, layer.groups, layer.supers), first)
+    for m in (1, 3, 4, 5, 7):           # AVX2 takes a block's two halves in one sweep up to 3 rows, AVX-VNNI up to 6
+        x = torch.randn(m, 8960)
+        first = libs[0].int4_gemm(x, layer.packed, layer.groups, layer.supers)
+        for other in libs[1:]:
+            assert torch.equal(other.int4_gemm(x, layer.packed, layer.groups, layer.supers), first), (other.variant, m)
     six = quant.Int6Linear.from_fields(q6_fields(100, 8960))
-    for m in (1, 5, 7):
+    for m in (1, 3, 5, 7):
         x = torch.randn(m, 8960)
         first = libs[0].int6_gemm(x, six.packed, six.scales, six.supers)
         for other in libs[1:]:
@@ -586,6 +587,27 @@ def test_every_variant_gives_the_same_matmul_bits():
     first = libs[0].attend_rows(q, kv, kv * 0.5, positions, 0.1)
     for other in libs[1:]:
         torch.testing.assert_close(other.attend_rows(q, kv, kv * 0.5, positions, 0.1), first, rtol=1e-5, atol=1e-6)
+
+
+def test_a_misbuilt_avx_vnni_kernel_is_caught():
+    """Broken on purpose: the avxvnni variant built with a slip in its vpdpbusd sums (int4: the high
+    nibbles meet the low nibbles' activations; int6: one half-group without its −32 Q). The bit
+    comparison with the avx2 variant above fails on it — it can fail — while the sound build passes."""
+    if "avxvnni" not in kernels.supported_variants():
+        pytest.skip("the CPU lacks AVX-VNNI: no avxvnni kernel to compare")
+    try:
+        vnni, avx2 = kernels.load_variant("avxvnni"), kernels.load_variant("avx2")
+    except RuntimeError as err:
+        pytest.skip(f"avxvnni kernels: {err}")
+    broken = kernels.build_variant("avxvnni", ("VERISPEC_BROKEN_VNNI",))
+    four = quant.Int4Linear.from_fields(q4_fields(64, 1536, seed=6))
+    six = quant.Int6Linear.from_fields(q6_fields(64, 1536, seed=6))
+    x = torch.randn(3, 1536)
+    for gemm in (lambda lib: lib.int4_gemm(x, four.packed, four.groups, four.supers),
+                 lambda lib: lib.int6_gemm(x, six.packed, six.scales, six.supers)):
+        expected = gemm(avx2)
+        assert torch.equal(gemm(vnni), expected)
+        assert not torch.equal(gemm(broken), expected)
 
 
 def amx_and_vector_kernels():
@@ -659,11 +681,11 @@ def test_a_variant_that_cannot_load_gives_way_to_the_next(monkeypatch):
     monkeypatch.delenv("VERISPEC_KERNEL_ISA", raising=False)
     status = kernels._status
     try:
-        assert kernels._load.__wrapped__() is not None
+        assert kernels._load_best.__wrapped__() is not None
         assert kernels._status == ("active (avx2); skipped amx: the operating system refused the AMX tile state "
                                    "(Operation not permitted)")
         monkeypatch.setenv("VERISPEC_KERNEL_ISA", "amx")
-        assert kernels._load.__wrapped__() is None
+        assert kernels._load_best.__wrapped__() is None
         assert kernels._status == ("unavailable: amx: the operating system refused the AMX tile state "
                                    "(Operation not permitted)")
     finally:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from verispec.bench.replay import Answer, load, replay, save
-from verispec.engine.k_policy import STATIC_AVX2, STATIC_AVX512, KPolicy, StaticCosts
+from verispec.engine.k_policy import STATIC_AVX2, STATIC_AVX512, STATIC_AVXVNNI, KPolicy, StaticCosts
 from verispec.errors import VerispecError
 
 ANSWERS = Path(__file__).with_name("data") / "answers.jsonl"
@@ -15,7 +15,7 @@ ANSWERS = Path(__file__).with_name("data") / "answers.jsonl"
 # half a 1-row pass, the dearest rows of any machine kind met so far.
 DEAR_ROWS = StaticCosts(((2, 1.47), (3, 2.01), (4, 2.78), (5, 3.4), (6, 3.8), (8, 5.39), (12, 7.48), (16, 10.29)),
                         {}, {})
-PROFILES = {"avx2": STATIC_AVX2, "avx512": STATIC_AVX512, "dear rows": DEAR_ROWS}
+PROFILES = {"avx2": STATIC_AVX2, "avxvnni": STATIC_AVXVNNI, "avx512": STATIC_AVX512, "dear rows": DEAR_ROWS}
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,11 @@ class StaticCosts:
 # 2 … 65 rows), a draft step (int4-all, 32k-token head) 0.24–0.25 of a pass, the heads' 0.07.
 STATIC_AVX2 = StaticCosts(((2, 1.05), (3, 1.35), (4, 1.7), (5, 2.05), (6, 2.3), (8, 3.15), (12, 4.3), (17, 6.2),
                            (33, 12.0), (65, 22.6)), {"draft": 0.27, "head": 0.08}, {"draft": 0.1})
+# AVX2 with AVX-VNNI (Intel cores since Alder Lake without AVX-512): vpdpbusd on 256-bit vectors keeps a
+# pass memory-bound to 3 rows (a Golden Cove Xeon's avxvnni build, rounded up: 1.04 / 1.05 / 1.26 / 1.44 /
+# 1.59 / 2.08 / 2.90 / 3.88 / 7.17 / 14.8 at 2 … 65 rows); a draft step as on AVX2.
+STATIC_AVXVNNI = StaticCosts(((2, 1.05), (3, 1.12), (4, 1.3), (5, 1.5), (6, 1.7), (8, 2.1), (12, 2.95), (17, 3.95),
+                              (33, 7.3), (65, 15.0)), {"draft": 0.27, "head": 0.08}, {"draft": 0.1})
 # AVX-512 VNNI: a pass stays memory-bound to ~5 rows (the Zen 4's calibration of the int4 1.5B,
 # rounded up: 0.95 / 0.95 / 1.00 / 1.09 / 1.16 / 1.61 / 2.21 / 3.08 / 6.16 / 12.2 at 2 … 65 rows),
 # a draft step (int4-all, 32k-token head) 0.22–0.26 of a pass.
@@ -109,7 +114,9 @@ STATIC_AVX512 = StaticCosts(((2, 1.0), (4, 1.05), (5, 1.12), (6, 1.2), (8, 1.65)
 
 def static_costs(kernel_variant: str | None) -> StaticCosts:
     """The fixed profile for the native kernel variant in use (kernels.active_variant())."""
-    return STATIC_AVX512 if builds_with(kernel_variant, "avx512f") else STATIC_AVX2
+    if builds_with(kernel_variant, "avx512f"):
+        return STATIC_AVX512
+    return STATIC_AVXVNNI if builds_with(kernel_variant, "avxvnni") else STATIC_AVX2
 
 
 # Speculate only when the model predicts more tokens per second than plain decoding by at least

@@ -10,7 +10,9 @@ instruction-set variant (`VARIANTS`, best first): `amx` (the next one plus AMX-T
 and int6 matmuls of passes of 12 and 13 rows and more on tiles; Linux must grant the process the tile state, else the
 next variant loads), `avx512bf16` (the next one plus AVX512_BF16: attention over a bfloat16 cache
 multiplies with `vdpbf16ps`), `avx512vnni` (AVX-512 F/BW/VL/DQ + VNNI: the int8 matmul on 512-bit
-vectors with `vpdpwssd`) and `avx2` (AVX2 + FMA). At first use the best variant this CPU supports is
+vectors with `vpdpwssd`), `avxvnni` (the next one plus AVX-VNNI, Intel's cores since Alder Lake without
+AVX-512: the int4, int6 and int8 matmuls sum with `vpdpbusd` / `vpdpwssd` on 256-bit vectors) and `avx2`
+(AVX2 + FMA). At first use the best variant this CPU supports is
 built into `$VERISPEC_CACHE/kernels/` (about a second with gcc; the file name hashes the source, the
 compiler and the variant's flags) and opened with ctypes; `VERISPEC_KERNEL_ISA=avx2` picks a lower one.
 The matmuls give the same bits in every variant (exact integer sums, the same fp32 steps in the same
@@ -30,6 +32,7 @@ import os
 import platform
 import shutil
 import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -67,8 +70,9 @@ _AVX2 = Variant("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"))
 _AVX512VNNI = _extend(_AVX2, "avx512vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
                       ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"))
 _AVX512BF16 = _extend(_AVX512VNNI, "avx512bf16", ("-mavx512bf16",), ("avx512_bf16",))
+_AVXVNNI = _extend(_AVX2, "avxvnni", ("-mavxvnni",), ("avx_vnni",))
 VARIANTS = (_extend(_AVX512BF16, "amx", ("-mamx-tile", "-mamx-int8"), ("amx_tile", "amx_int8")),
-            _AVX512BF16, _AVX512VNNI, _AVX2)
+            _AVX512BF16, _AVX512VNNI, _AVXVNNI, _AVX2)
 # Vector extensions worth naming in a results file.
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx_vnni",
              "avx512_bf16", "amx_int8")
@@ -132,7 +136,7 @@ def machine() -> dict:
     model, flags = _cpuinfo()
     lib = _load()
     return {"cpu_model": model, "cpu_core": _core_name(_cpu_fields() or {}),
-            "cpu_flags": [f for f in ISA_FLAGS if f in flags], "kernel": _status,
+            "cpu_flags": [f for f in ISA_FLAGS if f in flags], "kernel": kernel_status(),
             "kernel_variant": None if lib is None else lib.variant,
             "kernel_build": None if lib is None else lib.build}
 
@@ -150,8 +154,8 @@ def builds_with(name: str | None, isa: str) -> bool:
 
 
 def kernel_status() -> str:
-    _load()
-    return _status
+    _load_best()
+    return f"active ({_chosen[-1].variant}, chosen for a measurement)" if _chosen else _status
 
 
 def active_variant() -> str | None:
@@ -268,8 +272,27 @@ def build_variant(name: str, defines: tuple[str, ...] = ()) -> NativeKernels:
     return NativeKernels(lib, name, key)
 
 
-@lru_cache(maxsize=1)
+_chosen: list[NativeKernels] = []        # variants put in force by `using`, innermost last
+
+
+@contextmanager
+def using(native: NativeKernels):
+    """Inside the block every kernel call (and machine(), kernel_status()) goes to `native`, a variant from
+    load_variant, instead of the best one: for measurements that compare variants on one model in one
+    process. Packed weights are the same in every variant."""
+    _chosen.append(native)
+    try:
+        yield native
+    finally:
+        _chosen.pop()
+
+
 def _load() -> NativeKernels | None:
+    return _chosen[-1] if _chosen else _load_best()
+
+
+@lru_cache(maxsize=1)
+def _load_best() -> NativeKernels | None:
     global _status
     if os.environ.get("VERISPEC_KERNELS", "").lower() in ("0", "off", "false", "no"):
         _status = "off (VERISPEC_KERNELS)"

@@ -48,6 +48,15 @@ static inline __m256i pair(const int16_t *p) {
     return _mm256_set1_epi32(v);
 }
 
+/* acc + the pair sums of w · x (vpmaddwd + vpaddd; with AVX-VNNI one vpdpwssd, the same integers). */
+static inline __attribute__((always_inline)) __m256i madd_acc(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
+
 /* NV 8-column vectors from column c (a multiple of 8) for MM activation rows. */
 #define KERNEL_P(NV, MM)                                                                          \
     static void p_##NV##_##MM(const int16_t *qx, const float *sx, const int8_t *wp, const float *scale, \
@@ -73,7 +82,7 @@ static inline __m256i pair(const int16_t *p) {
                 U for (int m = 0; m < MM; m++) {                                                 \
                     __m256i xb = pair(qx + m * 2 * P + 2 * p);                                   \
                     U for (int v = 0; v < NV; v++)                                               \
-                        acc[v][m] = _mm256_add_epi32(acc[v][m], _mm256_madd_epi16(wv[v], xb));   \
+                        acc[v][m] = madd_acc(acc[v][m], wv[v], xb);                              \
                 }                                                                                \
             }                                                                                    \
             U for (int v = 0; v < NV; v++) U for (int m = 0; m < MM; m++)                        \
@@ -151,8 +160,8 @@ static void quantize_row(const float *x, long K, int16_t *qx, float *sx) {
 #define MADD8(lo, hi, q)                                                                          \
     do {                                                                                          \
         __m256i xb = pair(qx + 2 * (q));                                                          \
-        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(widen16(bp + (q) * 32), xb));                 \
-        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(widen16(bp + (q) * 32 + 16), xb));            \
+        lo = madd_acc(lo, widen16(bp + (q) * 32), xb);                                            \
+        hi = madd_acc(hi, widen16(bp + (q) * 32 + 16), xb);                                       \
     } while (0)
 #define FINISH_CHUNK(a0, a1, b0, b1)                                                              \
     do {                                                                                          \
@@ -273,7 +282,11 @@ static void int8_tile(const int16_t *qx, const float *sx, const int8_t *wp, cons
     }
 }
 #else
+#if defined(__AVXVNNI__)
+#define VARIANT "avxvnni"              /* avx2 with vpdpbusd / vpdpwssd on ymm in the int4, int6 and int8 matmuls */
+#else
 #define VARIANT "avx2"
+#endif
 static void int8_tile(const int16_t *qx, const float *sx, const int8_t *wp, const float *scale, float *y,
                       long M, long N, long P, long c0, long c1) {
     long c = c0, groups = (M + MG - 1) / MG;

@@ -132,9 +132,39 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
 /* One 16-column block for MM rows as two halves of 8 columns (ymm lanes); up to NH4 rows take both
    halves in one sweep over the groups (two independent accumulator chains per row, each group's
    scales loaded once), more rows one half per sweep (their accumulators would not fit in registers).
-   Either way each column lane sees the same operations in the same order. */
+   Either way each column lane sees the same operations in the same order.
+   A group's sum per row and column: with AVX-VNNI (the avxvnni variant: Intel cores since Alder Lake
+   without AVX-512) I itself in 32 bits, one vpdpbusd per 4 k as on AVX-512, and float(I) · float(sc)
+   at the group's end, as there; otherwise the 16-bit pair sums of vpmaddubsw, widened by vpmaddwd
+   against (sc, sc) into I · sc. Both are the same exact integer below 2²⁴, so the same float. */
 #ifndef NH4
+#if defined(__AVXVNNI__)
+#define NH4 6           /* int32 sums need no 16-bit stage: both halves fit for every row count */
+#else
 #define NH4 3
+#endif
+#endif
+#if defined(__AVXVNNI__)
+static inline __attribute__((always_inline)) __m256i q4_chunk(__m256i s, __m256i lo, __m256i hi, const int8_t *xr) {
+    s = _mm256_dpbusd_avx_epi32(s, lo, _mm256_set1_epi32(word32(xr)));
+#ifdef VERISPEC_BROKEN_VNNI     /* tests only: the high nibbles meet the low nibbles' activations, a slip they must catch */
+    xr -= 4;
+#endif
+    return _mm256_dpbusd_avx_epi32(s, hi, _mm256_set1_epi32(word32(xr + 4)));
+}
+static inline __attribute__((always_inline)) __m256 q4_isc(__m256i s, __m256i scp, __m256 scf) {
+    (void)scp;
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(s), scf);
+}
+#else
+static inline __attribute__((always_inline)) __m256i q4_chunk(__m256i s, __m256i lo, __m256i hi, const int8_t *xr) {
+    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word32(xr))));
+    return _mm256_add_epi16(s, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word32(xr + 4))));
+}
+static inline __attribute__((always_inline)) __m256 q4_isc(__m256i s, __m256i scp, __m256 scf) {
+    (void)scf;
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(s, scp));
+}
 #endif
 #define KERNEL4(MM)                                                                                \
     static void q4_##MM(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp, \
@@ -160,7 +190,7 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
                     _mm_prefetch((const char *)(wb + PF4 * 64 + 32), _MM_HINT_T1);                \
                     _mm_prefetch((const char *)(wb + PF4 * 64 + 48), _MM_HINT_T1);                \
                 }                                                                                 \
-                __m256i psum[NH][MM];     /* pair sums in 16 bits: 8 of at most 2·15·127 < 2¹⁵ */ \
+                __m256i psum[NH][MM];     /* AVX2: pair sums in 16 bits, 8 of at most 2·15·127 < 2¹⁵ */ \
                 for (int h = 0; h < NH; h++)                                                      \
                     for (int m = 0; m < MM; m++) psum[h][m] = _mm256_setzero_si256();             \
                 for (int j = 0; j < 4; j++)                                                       \
@@ -168,9 +198,7 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
                         __m256i d = _mm256_loadu_si256((const __m256i *)(wb + 16 * j + 8 * (h0 + h))); \
                         __m256i lo = _mm256_and_si256(d, lo4), hi = _mm256_and_si256(_mm256_srli_epi32(d, 4), lo4); \
                         for (int m = 0; m < MM; m++) {                                            \
-                            const int8_t *xr = q8 + m * K + 32 * g + 8 * j;                       \
-                            psum[h][m] = _mm256_add_epi16(psum[h][m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word32(xr)))); \
-                            psum[h][m] = _mm256_add_epi16(psum[h][m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word32(xr + 4)))); \
+                            psum[h][m] = q4_chunk(psum[h][m], lo, hi, q8 + m * K + 32 * g + 8 * j); \
                             keep_in_register(psum[h][m]);                                         \
                         }                                                                         \
                     }                                                                             \
@@ -179,10 +207,11 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
                     int64_t scb;                                                                  \
                     memcpy(&scb, gg, sizeof scb);                                                 \
                     __m256i scp = _mm256_shuffle_epi8(_mm256_set1_epi64x(scb), pairs);            \
+                    __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)gg))); \
                     __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gg + 16)))); \
-                    for (int m = 0; m < MM; m++) {     /* vpmaddwd widens the pair sums to I · sc */ \
-                        __m256i isc = _mm256_madd_epi16(psum[h][m], scp);                         \
-                        sa[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc), _mm256_set1_ps(s8[m * G + g]), sa[h][m]); \
+                    for (int m = 0; m < MM; m++) {     /* float(I · sc), exact */                  \
+                        __m256 isc = q4_isc(psum[h][m], scp, scf);                               \
+                        sa[h][m] = _mm256_fmadd_ps(isc, _mm256_set1_ps(s8[m * G + g]), sa[h][m]); \
                         sm[h][m] = _mm256_fmadd_ps(mf, _mm256_set1_ps(xs[m * G + g]), sm[h][m]);  \
                     }                                                                             \
                 }                                                                                 \

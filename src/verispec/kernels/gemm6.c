@@ -35,16 +35,19 @@
 
 #define MG6 6           /* activation rows per group */
 
-/* q8 (M, K) int8 -> qs: each half-group's sum Q (Q8_ORDER permutes within each 8 only). AVX-512: (M, K/16)
-   int32, one per half-group. AVX2: (M, K/32) int32, a group's two sums negated as 16-bit halves (−Q0
-   low, −Q1 high; |Q| ≤ 16 · 127), the operand of the vpmaddwd that forms the group's Q term. */
-#if defined(__AVX512F__)
+/* q8 (M, K) int8 -> qs: each half-group's sum Q (Q8_ORDER permutes within each 8 only). AVX-512 and
+   AVX-VNNI: (M, K/16) int32, one per half-group. AVX2: (M, K/32) int32, a group's two sums negated as
+   16-bit halves (−Q0 low, −Q1 high; |Q| ≤ 16 · 127), the operand of the vpmaddwd that forms the group's
+   Q term. */
+#if defined(__AVX512F__) || defined(__AVXVNNI__)
+#define QS_HALVES 1
 #define QS_ROW(K) ((K) / 16)    /* qs entries per row */
 #else
+#define QS_HALVES 0
 #define QS_ROW(K) ((K) / 32)
 #endif
 static void q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
-#if defined(__AVX512F__)
+#if QS_HALVES
 #pragma omp for schedule(static)
     for (long it = 0; it < M * (K / 16); it++) {       /* by (row, 16 values): one row keeps every thread busy */
         int32_t s = 0;
@@ -110,17 +113,76 @@ static void q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
 #else
 /* One 16-column block for MM rows as two halves of 8 columns (ymm lanes); up to NH6 rows take both
    halves in one sweep over the groups, more rows one half per sweep. In both variants a super-block's
-   d is widened once for its 8 groups, not per group (the same values). */
+   d is widened once for its 8 groups, not per group (the same values).
+   A group's J per row and 8 columns (j6_*): on AVX2 the integer J itself, started by the Q term and
+   summed by vpmaddwd against the scales (the header); with AVX-VNNI (the avxvnni variant) the two
+   half-groups' I − 32 Q, summed by vpdpbusd from −32 Q, and joined in fp32 at the group's end as on
+   AVX-512 — float(J) either way, the same bits. */
 #ifndef NH6
+#if defined(__AVXVNNI__)
+#define NH6 3
+#else
 #define NH6 2
+#endif
+#endif
+typedef struct { __m256i w0, w1, q; __m256 f0, f1; } sc6;   /* a group's scales for 8 columns, as each path uses them */
+typedef struct { __m256i s0, s1; } j6;                      /* AVX2: s0 = J so far; AVX-VNNI: I0', I1' */
+static inline __attribute__((always_inline)) sc6 sc6_load(const int8_t *sg) {
+    __m256i s0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sg));
+    __m256i s1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sg + 16)));
+    sc6 r;
+    r.f0 = _mm256_cvtepi32_ps(s0), r.f1 = _mm256_cvtepi32_ps(s1);
+    /* (sc0, sc0) and (sc1, sc1) weigh a chunk's pair sums as vpmaddwd widens them, (32 sc0, 32 sc1)
+       (|·| ≤ 4,096) the row's (−Q0, −Q1) to start J at −32 (sc0 · Q0 + sc1 · Q1) */
+    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+    s0 = _mm256_and_si256(s0, low16), s1 = _mm256_and_si256(s1, low16);
+    r.w0 = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));
+    r.w1 = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));
+    r.q = _mm256_slli_epi16(_mm256_or_si256(s0, _mm256_slli_epi32(s1, 16)), 5);
+    return r;
+}
+#if defined(__AVXVNNI__)
+static inline __attribute__((always_inline)) j6 j6_start(const int32_t *q, const sc6 *sc) {   /* q: Q0, Q1 */
+    (void)sc;
+#ifdef VERISPEC_BROKEN_VNNI     /* tests only: the second half-group without its −32 Q, a slip they must catch */
+    return (j6){_mm256_set1_epi32(-32 * q[0]), _mm256_setzero_si256()};
+#endif
+    return (j6){_mm256_set1_epi32(-32 * q[0]), _mm256_set1_epi32(-32 * q[1])};
+}
+static inline __attribute__((always_inline)) j6 j6_chunk(j6 s, int half, __m256i lo, __m256i hi, const int8_t *xr,
+                                                         const sc6 *sc) {
+    (void)sc;
+    __m256i t = half ? s.s1 : s.s0;
+    t = _mm256_dpbusd_avx_epi32(t, lo, _mm256_set1_epi32(word32(xr)));
+    t = _mm256_dpbusd_avx_epi32(t, hi, _mm256_set1_epi32(word32(xr + 4)));
+    if (half) s.s1 = t; else s.s0 = t;
+    return s;
+}
+static inline __attribute__((always_inline)) __m256 j6_float(j6 s, const sc6 *sc) {   /* sc1 · I1' exact, one rounding */
+    return _mm256_fmadd_ps(sc->f0, _mm256_cvtepi32_ps(s.s0), _mm256_mul_ps(sc->f1, _mm256_cvtepi32_ps(s.s1)));
+}
+#else
+static inline __attribute__((always_inline)) j6 j6_start(const int32_t *q, const sc6 *sc) {   /* q: (−Q0, −Q1) */
+    return (j6){_mm256_madd_epi16(sc->q, _mm256_set1_epi32(q[0])), _mm256_setzero_si256()};
+}
+static inline __attribute__((always_inline)) j6 j6_chunk(j6 s, int half, __m256i lo, __m256i hi, const int8_t *xr,
+                                                         const sc6 *sc) {
+    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(word32(xr))),
+                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word32(xr + 4))));
+    s.s0 = _mm256_add_epi32(s.s0, _mm256_madd_epi16(p, half ? sc->w1 : sc->w0));
+    return s;
+}
+static inline __attribute__((always_inline)) __m256 j6_float(j6 s, const sc6 *sc) {
+    (void)sc;
+    return _mm256_cvtepi32_ps(s.s0);
+}
 #endif
 #define KERNEL6(MM)                                                                                \
     static void q6_##MM(const int8_t *q8, long K, const float *s8, const int32_t *qs, const uint32_t *wp, \
                         const int8_t *sc, const uint16_t *ds, float *y, long N, long G, long b) {   \
         enum { NH = (MM) <= NH6 ? 2 : 1 };                                                       \
         const __m256i lo4 = _mm256_set1_epi32(0x0F0F0F0F), hi2 = _mm256_set1_epi32(0x30303030);  \
-        const __m256i low16 = _mm256_set1_epi32(0xFFFF);                                          \
-        const long S = (G + 7) / 8;                                                               \
+        const long S = (G + 7) / 8, QR = QS_ROW(K), QG = QR / G;  /* qs per row, per group */      \
         for (int h0 = 0; h0 < 2; h0 += NH) {                                                      \
             __m256 acc[NH][MM];                                                                   \
             for (int h = 0; h < NH; h++)                                                          \
@@ -133,23 +195,11 @@ static void q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
                         dv[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ds + (b * S + g / 8) * 16 + 8 * (h0 + h)))); \
                 if (h0 == 0)                                     /* the second sweep re-reads */  \
                     for (int l = 0; l < 6; l++) _mm_prefetch((const char *)(wb + PF6 * W6 + 16 * l), _MM_HINT_T1); \
-                /* Per half h of the block, the columns' scales as 16-bit pairs: (sc0, sc0) and (sc1, sc1) \
-                   weigh a chunk's pair sums as vpmaddwd widens them, (32 sc0, 32 sc1) (|·| ≤ 4,096) the \
-                   row's (−Q0, −Q1) to start J at −32 (sc0 · Q0 + sc1 · Q1). */                          \
-                __m256i scw[NH][2], scq[NH];                                                      \
-                for (int h = 0; h < NH; h++) {                                                    \
-                    const int8_t *sg = sc + (b * G + g) * 32 + 8 * (h0 + h);                      \
-                    __m256i s0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sg));      \
-                    __m256i s1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sg + 16))); \
-                    s0 = _mm256_and_si256(s0, low16); s1 = _mm256_and_si256(s1, low16);           \
-                    scw[h][0] = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));                   \
-                    scw[h][1] = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));                   \
-                    scq[h] = _mm256_slli_epi16(_mm256_or_si256(s0, _mm256_slli_epi32(s1, 16)), 5); \
-                }                                                                                 \
-                __m256i isum[NH][MM];     /* J so far (8 columns) */                                \
+                sc6 scs[NH];                                                                      \
+                for (int h = 0; h < NH; h++) scs[h] = sc6_load(sc + (b * G + g) * 32 + 8 * (h0 + h)); \
+                j6 isum[NH][MM];                                                                  \
                 for (int h = 0; h < NH; h++)                                                      \
-                    for (int m = 0; m < MM; m++)                                                  \
-                        isum[h][m] = _mm256_madd_epi16(scq[h], _mm256_set1_epi32(qs[m * G + g]));  \
+                    for (int m = 0; m < MM; m++) isum[h][m] = j6_start(qs + m * QR + QG * g, &scs[h]); \
                 for (int j = 0; j < 4; j++)                                                       \
                     for (int h = 0; h < NH; h++) {                                                \
                         const uint32_t *wg = wb + 8 * (h0 + h);                                   \
@@ -160,17 +210,13 @@ static void q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
                         __m256i lo = _mm256_or_si256(_mm256_and_si256(d, lo4), _mm256_and_si256(ha, hi2)); \
                         __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(d, 4), lo4), \
                                                      _mm256_and_si256(hb, hi2));                  \
-                        for (int m = 0; m < MM; m++) {                                            \
-                            const int8_t *xr = q8 + m * K + 32 * g + 8 * j;                       \
-                            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(word32(xr))), \
-                                                         _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word32(xr + 4)))); \
-                            isum[h][m] = _mm256_add_epi32(isum[h][m], _mm256_madd_epi16(p, scw[h][j / 2])); \
-                        }                                                                         \
+                        for (int m = 0; m < MM; m++)                                              \
+                            isum[h][m] = j6_chunk(isum[h][m], j / 2, lo, hi, q8 + m * K + 32 * g + 8 * j, &scs[h]); \
                     }                                                                             \
                 for (int h = 0; h < NH; h++) {                                                    \
                     for (int m = 0; m < MM; m++) {                                                \
                         __m256 t = _mm256_mul_ps(dv[h], _mm256_set1_ps(s8[m * G + g]));           \
-                        acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][m]), t, acc[h][m]);  \
+                        acc[h][m] = _mm256_fmadd_ps(j6_float(isum[h][m], &scs[h]), t, acc[h][m]);  \
                     }                                                                             \
                 }                                                                                 \
             }                                                                                     \

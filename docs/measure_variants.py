@@ -1,0 +1,71 @@
+"""Whole 1.5B passes with each kernel variant this CPU runs: c_p(n), one target pass over n new tokens after
+128 cached, in the default format, the variants taking turns in one process (every round times each width with
+each variant, the variants' order rotating from round to round), so a slow spell of a shared machine falls on
+all of them alike.
+
+    python docs/measure_variants.py [--widths 1,2,3,4,5,6,8,12,16] [--rounds 10] [--out docs/results/variants.json]
+
+What a variant's wider vector instructions buy in a whole pass (attention, norms and the rest included), where
+`docs/measure_kernel.py` times the matmuls alone: the best variant is the one verispec runs; the others are what
+a CPU without its extensions would run, on this core and memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from verispec import kernels
+from verispec.engine.calibrate import pass_costs
+from verispec.engine.loading import kv_auto_dtype, load_model
+from verispec.loaders.builtin import DEFAULT_TARGET
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--widths", default="1,2,3,4,5,6,8,12,16")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--variants", default=None, help="comma-separated (default: every one this CPU runs)")
+    ap.add_argument("--out", default=None, help="write the numbers as JSON here")
+    args = ap.parse_args()
+    widths = sorted({int(w) for w in args.widths.split(",")} | {1})
+    if not 1 <= args.rounds <= 1000 or max(widths) > 65:
+        raise SystemExit("--rounds must be 1 … 1000 and widths at most 65 (a verify pass of K = 64)")
+    names = args.variants.split(",") if args.variants else kernels.supported_variants()
+    try:
+        variants = {name: kernels.load_variant(name) for name in names}
+    except RuntimeError as err:
+        raise SystemExit(str(err))
+    if not variants:
+        raise SystemExit(f"no native kernel variant runs here: {kernels.kernel_status()}")
+    model = load_model(DEFAULT_TARGET, "auto", "cpu").model
+    kv = kv_auto_dtype(model)                         # the cache format a pass runs with by default
+    times = {name: {n: [] for n in widths} for name in variants}
+    order = list(variants)
+    for r in range(args.rounds + 1):                  # round 0 warms every variant up
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            with kernels.using(variants[name]):
+                costs = pass_costs(model, widths, repeats=1, kv_dtype=kv)
+            if r:
+                for n in widths:
+                    times[name][n].append(costs[n])
+        print(f"round {r}/{args.rounds}", file=sys.stderr, flush=True)
+    result = {"command": " ".join(["python docs/measure_variants.py", *sys.argv[1:]]), "threads": torch.get_num_threads(),
+              **kernels.machine(), "model": DEFAULT_TARGET, "kv_dtype": str(kv).replace("torch.", ""),
+              "rounds": args.rounds,
+              "variants": {name: {str(n): statistics.median(v) for n, v in by.items()} for name, by in times.items()}}
+    print(f"{'n':>3} " + " ".join(f"{name + ' ms (× n = 1)':>26}" for name in variants))
+    for n in widths:
+        print(f"{n:>3} " + " ".join(f"{t[str(n)] * 1e3:>14.1f} ({t[str(n)] / t['1']:.2f})".rjust(26)
+                                     for t in result["variants"].values()))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
