@@ -524,7 +524,15 @@ def verify_section(report: dict | None, current: dict | None = None) -> list[str
 
 # Other machine kinds: the same measurements in docs/results/<kind>/, rendered with the same sections.
 OTHER_KINDS = {"avx2": "An AVX2-only machine", "zen1": "A Zen/Zen+ EPYC: AVX2 on 128-bit units",
-               "xeon": "An Intel Xeon with AVX-512 VNNI, AVX512_BF16 and AMX"}
+               "xeon": "An Intel Xeon with AVX-512 VNNI, AVX512_BF16 and AMX",
+               "avxvnni": "The same Xeon as an AVX2 + AVX-VNNI machine (Intel cores since Alder Lake)"}
+
+# How a kind was measured, where that differs from running the commands on a machine of the kind.
+KIND_NOTES = {"avxvnni": "Measured on the Xeon of the section above with `VERISPEC_KERNEL_ISA=avxvnni` before each "
+              "command (the `avxvnni` kernels: AVX2 with AVX-VNNI, no AVX-512 or AMX), beside a llama.cpp built "
+              "there with AVX2 and AVX_VNNI but without AVX-512 and AMX (`-DGGML_NATIVE=OFF -DGGML_AVX512=OFF "
+              "-DGGML_AVX_VNNI=ON …`): the instructions an Intel Core since Alder Lake has, on the same core "
+              "design as its performance cores (Golden Cove); such a machine's memory and efficiency cores differ."}
 
 
 def for_kind(lines: list[str], kind: str) -> list[str]:
@@ -553,7 +561,8 @@ def kind_section(kind: str, title: str) -> list[str]:
     out = [f"## {title}", "",
            f"The same commands on another machine kind, results in `docs/results/{kind}/` (each section names "
            "its CPU, vector extensions and kernel build). Ratios compare programs measured in the same run on "
-           "that machine; absolute figures do not compare with the sections above.", ""]
+           "that machine; absolute figures do not compare with the sections above." +
+           (f" {KIND_NOTES[kind]}" if kind in KIND_NOTES else ""), ""]
     for fn, result in found:
         out += for_kind(fn(result), kind)
     return out
@@ -567,7 +576,7 @@ def main() -> None:
            "[PERFORMANCE_LOG.md](PERFORMANCE_LOG.md).", "",
            "Machines: 2 cores, 24 GiB, no GPU, 2 threads — a Zen 4 EPYC with AVX-512 VNNI (the reference), a Zen 2 "
            "EPYC with AVX2 only, a Zen/Zen+ EPYC whose AVX2 runs on 128-bit units, or an Intel Xeon with AVX-512 VNNI, "
-           "AVX512_BF16 and AMX (the last three sections); every section names the CPU, its vector extensions and the kernel build that "
+           "AVX512_BF16 and AMX, also measured with AVX-512 and AMX set aside (the last four sections); every section names the CPU, its vector extensions and the kernel build that "
            "made it, and sections measured on another machine kind or an earlier build say so. Timings on "
            "shared machines are noisy: compare ratios measured in one run, not absolute times across runs.", ""]
     suite = load("bench-suite.json")

@@ -10,7 +10,7 @@
  *   y[m, n]    = Σ_s ( d[n, s] · A[m, n, s] + (−dmin[n, s]) · B[m, n, s] )
  * as fp32 FMAs in ascending g and s: two per row and group, two per row and super-block. I · sc is an
  * exact integer below 2²⁴ (32 · 15 · 127 · 255), so its float is exact. A u8 × s8 dot product of 4
- * pairs is one lane of vpdpbusd (AVX-512 VNNI), or vpmaddubsw on AVX2, whose 16-bit pair sums (at most
+ * pairs is one lane of vpdpbusd (AVX-512 VNNI, AVX-VNNI), or vpmaddubsw on AVX2, whose 16-bit pair sums (at most
  * 2 · 15 · 127) are added in 16 bits over the group's 32 k (8 of them: below 2¹⁵, so nothing saturates
  * or wraps) and widened by one vpmaddwd per group against (sc, sc) pairs, which yields I · sc itself:
  * 64 multiply-adds per instruction where 16-bit activations gave 32. AVX-512 forms float(I) ·

@@ -7,14 +7,14 @@
  *   y[m, n]    = Σ_g float(J[m, n, g]) · (d[n, g / 8] · s8[m, g])
  * in ascending g: J is an exact integer (|J| < 2³¹), rounded once to fp32, then one product and one FMA
  * per group — the same operations in every variant and for every row count (row-exact; the AVX2 and
- * AVX-512 variants give the same bits). q · q8 pairs are u8 × s8: vpdpbusd on AVX-512 VNNI, vpmaddubsw +
+ * AVX-512 variants give the same bits). q · q8 pairs are u8 × s8: vpdpbusd on AVX-512 VNNI and AVX-VNNI, vpmaddubsw +
  * vpmaddwd on AVX2 (a pair sum stays at most 2 · 63 · 127, so nothing saturates, and two of them, added
  * in 16 bits, at most 32,004 < 2¹⁵). On AVX2 the vpmaddwd that widens them also weighs them by their
  * half-group's scale, and the Q term is one more vpmaddwd per group, (32 sc0, 32 sc1) · (−Q0, −Q1),
  * which starts the sum:
  *   J = −32 · (sc0 · Q0 + sc1 · Q1) + sc0 · I0 + sc1 · I1
  * the same integer as above (|sc · I| ≤ 128 · 16 · 63 · 127, so no int32 sum wraps), with no 32-bit
- * multiply (vpmulld) per row and the row's (−Q0, −Q1) pair ready in qs. On AVX-512 the join is in fp32
+ * multiply (vpmulld) per row and the row's (−Q0, −Q1) pair ready in qs. On AVX-512 and AVX-VNNI the join is in fp32
  * instead of two vpmulld: I' = I − 32 Q of a half-group is below 16 · 32 · 127 in magnitude and sc · I'
  * below 2²⁴, so float(sc1) · float(I1') is exact and fma(float(sc0), float(I0'), that) rounds the exact
  * integer J once — float(J), the same bits (2–4 % faster at 6–256 rows than the two vpmulld, alternated
