@@ -33,9 +33,12 @@ def main() -> None:
     ap.add_argument("--variants", default=None, help="comma-separated (default: every one this CPU runs)")
     ap.add_argument("--out", default=None, help="write the numbers as JSON here")
     args = ap.parse_args()
-    widths = sorted({int(w) for w in args.widths.split(",")} | {1})
-    if not 1 <= args.rounds <= 1000 or max(widths) > 65:
-        raise SystemExit("--rounds must be 1 … 1000 and widths at most 65 (a verify pass of K = 64)")
+    try:
+        widths = sorted({int(w) for w in args.widths.split(",")} | {1})
+    except ValueError:
+        raise SystemExit(f"--widths takes integers separated by commas, not {args.widths!r}")
+    if not 1 <= args.rounds <= 1000 or min(widths) < 1 or max(widths) > 65:
+        raise SystemExit("--rounds must be 1 … 1000 and widths 1 … 65 (a verify pass of K = 64)")
     names = args.variants.split(",") if args.variants else kernels.supported_variants()
     try:
         variants = {name: kernels.load_variant(name) for name in names}

@@ -589,6 +589,25 @@ def test_every_variant_gives_the_same_matmul_bits():
         torch.testing.assert_close(other.attend_rows(q, kv, kv * 0.5, positions, 0.1), first, rtol=1e-5, atol=1e-6)
 
 
+def test_using_puts_a_variant_in_force_for_the_block_only():
+    """kernels.using (the variant comparisons of docs/measure_variants.py): inside the block the module's
+    calls and its records name and run the chosen variant; after it, the best one again, even when the
+    block raised."""
+    names = kernels.supported_variants()
+    if len(names) < 2 or not kernels.available():
+        pytest.skip(f"this CPU runs only {names}: nothing to choose between")
+    best, low = kernels.active_variant(), kernels.load_variant(names[-1])
+    with kernels.using(low):
+        assert kernels.active_variant() == names[-1] == kernels.machine()["kernel_variant"]
+        assert names[-1] in kernels.kernel_status()
+        q, scale = quantize_int8(torch.randn(40, 256))
+        x, packed = torch.randn(3, 256), kernels.pack_int8(q)
+        assert torch.equal(kernels.int8_gemm(x, packed, scale), low.int8_gemm(x, packed, scale))
+    with pytest.raises(RuntimeError), kernels.using(low):
+        raise RuntimeError("a measurement that failed")
+    assert kernels.active_variant() == best != names[-1]
+
+
 def test_a_misbuilt_avx_vnni_kernel_is_caught():
     """Broken on purpose: the avxvnni variant built with a slip in its vpdpbusd sums (int4: the high
     nibbles meet the low nibbles' activations; int6: one half-group without its −32 Q). The bit
