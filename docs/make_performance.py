@@ -392,6 +392,11 @@ def variants_section(result: dict | None) -> list[str]:
     widths = list(next(iter(variants.values())))
     out += table(["n"] + [f"`{v}` ms (× n = 1)" for v in variants],
                  [[n] + [f"{t[n] * 1e3:.1f} ({t[n] / t['1']:.2f})" for t in variants.values()] for n in widths]) + [""]
+    swept = {v: d for v, d in result.get("sweeps", {}).items() if d}
+    if swept:
+        out += ["Sweep schedules of the variants whose 16-column blocks are two 8-lane vectors, as this machine's "
+                "whole passes chose them (kernels/sweeps.py): " + "; ".join(f"`{v}` {d}" for v, d in swept.items())
+                + ".", ""]
     return out
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from verispec import kernels
-from verispec.engine.calibrate import pass_costs
+from verispec.engine.calibrate import pass_costs, tune_sweeps
 from verispec.engine.loading import kv_auto_dtype, load_model
 from verispec.loaders.builtin import DEFAULT_TARGET
 
@@ -50,6 +50,9 @@ def main() -> None:
     kv = kv_auto_dtype(model)                         # the cache format a pass runs with by default
     times = {name: {n: [] for n in widths} for name in variants}
     order = list(variants)
+    for name in order:                                # each variant's sweep schedules, as verispec runs it
+        with kernels.using(variants[name]):
+            tune_sweeps(model, kv_dtype=kv)
     for r in range(args.rounds + 1):                  # round 0 warms every variant up
         for name in order[r % len(order):] + order[:r % len(order)]:
             with kernels.using(variants[name]):
@@ -61,6 +64,7 @@ def main() -> None:
     result = {"command": " ".join(["python docs/measure_variants.py", *sys.argv[1:]]), "threads": torch.get_num_threads(),
               **kernels.machine(), "model": DEFAULT_TARGET, "kv_dtype": str(kv).replace("torch.", ""),
               "rounds": args.rounds,
+              "sweeps": {name: kernels.sweeps.describe(native.schedule()) for name, native in variants.items()},
               "variants": {name: {str(n): statistics.median(v) for n, v in by.items()} for name, by in times.items()}}
     print(f"{'n':>3} " + " ".join(f"{name + ' ms (× n = 1)':>26}" for name in variants))
     for n in widths:

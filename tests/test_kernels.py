@@ -557,7 +557,7 @@ def test_every_variant_gives_the_same_matmul_bits():
         for other in libs[1:]:
             assert torch.equal(other.int8_gemm(x, packed, scale), first), (other.variant, m, n, k)
     layer = quant.Int4Linear.from_fields(q4_fields(100, 8960))
-    for m in (1, 3, 4, 5, 7):           # AVX2 takes a block's two halves in one sweep up to 3 rows, AVX-VNNI up to 6
+    for m in (1, 3, 4, 5, 7):           # each variant in the sweep schedules kept here (test_kernel_sweeps: either gives these bits)
         x = torch.randn(m, 8960)
         first = libs[0].int4_gemm(x, layer.packed, layer.groups, layer.supers)
         for other in libs[1:]:
@@ -698,17 +698,16 @@ def test_a_variant_that_cannot_load_gives_way_to_the_next(monkeypatch):
     monkeypatch.setattr(kernels, "supported_variants", lambda: ["amx", "avx2"])
     monkeypatch.delenv("VERISPEC_KERNELS", raising=False)
     monkeypatch.delenv("VERISPEC_KERNEL_ISA", raising=False)
-    status = kernels._status
-    try:
-        assert kernels._load_best.__wrapped__() is not None
-        assert kernels._status == ("active (avx2); skipped amx: the operating system refused the AMX tile state "
-                                   "(Operation not permitted)")
-        monkeypatch.setenv("VERISPEC_KERNEL_ISA", "amx")
-        assert kernels._load_best.__wrapped__() is None
-        assert kernels._status == ("unavailable: amx: the operating system refused the AMX tile state "
-                                   "(Operation not permitted)")
-    finally:
-        kernels._status = status
+    monkeypatch.setattr(kernels, "_load_best", kernels._load_best.__wrapped__)     # uncached, for this test
+    monkeypatch.setattr(kernels, "_status", kernels._status)
+    monkeypatch.setattr(kernels, "_best", kernels._best)
+    assert kernels._load_best() is not None
+    assert kernels.kernel_status() == ("active (avx2); skipped amx: the operating system refused the AMX tile "
+                                       "state (Operation not permitted)")
+    monkeypatch.setenv("VERISPEC_KERNEL_ISA", "amx")
+    assert kernels._load_best() is None
+    assert kernels.kernel_status() == ("unavailable: amx: the operating system refused the AMX tile state "
+                                       "(Operation not permitted)")
 
 
 def test_results_files_name_the_cpu_core_a_virtual_machine_hides():

@@ -24,31 +24,83 @@ CALIBRATION_WIDTHS = (2, 3, 4, 5, 6, 8, 12, 17, 24, 33, 48, 65)
 
 
 def pass_costs(model: Transformer, widths: list[int], context: int = 128, repeats: int = 5,
-                on_round=None, vocab: torch.Tensor | None = None,
-                kv_dtype: torch.dtype | None = None) -> dict[int, float]:
+               on_round=None, vocab: torch.Tensor | None = None,
+               kv_dtype: torch.dtype | None = None) -> dict[int, float]:
     """Median seconds of one forward pass over n new tokens after `context` cached tokens, logits
     for all n rows (what a verify pass computes), for each n in widths; kv_dtype: the cache's format.
 
     The widths are measured round-robin — every round times each width once — so a slow spell of a
     shared machine falls on all widths alike instead of on whichever was being measured."""
     widths = sorted(set(widths))
-    top = max(widths)
+    timed = _pass_timer(model, max(widths), context, vocab, kv_dtype)
+    times: dict[int, list[float]] = {n: [] for n in widths}
+    for r in range(repeats + 1):                 # round 0 warms up
+        for n in widths:
+            t = timed(n)
+            if r:
+                times[n].append(t)
+        if on_round:
+            on_round(r, repeats)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def _pass_timer(model: Transformer, top: int, context: int, vocab: torch.Tensor | None,
+                kv_dtype: torch.dtype | None):
+    """A function n -> seconds of one pass over n ≤ top new tokens after `context` cached random tokens
+    (the same cache positions rewritten each time)."""
     cache = KVCache.for_model(model.config, 1, context + top + 1, model.dtype, model.device, kv_dtype)
     ids = torch.randint(0, model.config.vocab_size, (1, context + top))
     pos = torch.arange(context)[None]
     model(ids[:, :context], pos, cache.view([0], pos))
-    times: dict[int, list[float]] = {n: [] for n in widths}
-    for r in range(repeats + 1):                 # round 0 warms up
-        for n in widths:
-            new_pos = torch.arange(context, context + n)[None]
-            t = time.perf_counter()
-            model.forward_logits(ids[:, context:context + n], new_pos, cache.view([0], new_pos), torch.arange(n)[None],
-                                 vocab)
-            if r:
-                times[n].append(time.perf_counter() - t)
-        if on_round:
-            on_round(r, repeats)
-    return {n: statistics.median(v) for n, v in times.items()}
+
+    def timed(n: int) -> float:
+        new_pos = torch.arange(context, context + n)[None]
+        t = time.perf_counter()
+        model.forward_logits(ids[:, context:context + n], new_pos, cache.view([0], new_pos), torch.arange(n)[None],
+                             vocab)
+        return time.perf_counter() - t
+    return timed
+
+
+def tune_sweeps(model: Transformer, rounds: int = 4, on_round=None,
+                kv_dtype: torch.dtype | None = None) -> dict[str, tuple[int, ...]] | None:
+    """Choose and keep this machine's sweep schedules for the kernels in force (kernels/sweeps.py) by
+    timing whole passes of `model` — where the weights stream from memory, which decides it — unless one
+    is kept already or there is nothing to choose (then None, at once). For each width 1 … 6 a round
+    times a pass with the compiled defaults and one with each format's schedule for that row count
+    flipped, in an order that turns from round to round; a flip is kept where its median beats the
+    default's by more than sweeps.MARGIN. Several seconds, once per machine, kernel build and threads."""
+    from verispec import kernels
+    from verispec.kernels import sweeps
+
+    defaults = kernels.untuned_sweeps()
+    if defaults is None:
+        return None
+    widths = range(1, kernels.SWEPT_ROWS + 1)
+    trials = [None, *kernels.SWEPT_FORMATS]          # None: the defaults; a format: its schedule flipped
+    timed = _pass_timer(model, max(widths), 128, None, kv_dtype)
+    seconds = {(m, trial): [] for m in widths for trial in trials}
+    try:
+        for r in range(rounds + 1):                  # round 0 warms up
+            for m in widths:
+                for trial in trials[r % 3:] + trials[:r % 3]:
+                    kernels.set_sweeps({fmt: tuple(1 - d if fmt == trial and row == m else d
+                                                   for row, d in enumerate(one, 1)) for fmt, one in defaults.items()})
+                    t = timed(m)
+                    if r:
+                        seconds[m, trial].append(t)
+            if on_round:
+                on_round(r, rounds)
+    finally:
+        kernels.set_sweeps(defaults)
+    times = {fmt: [] for fmt in defaults}            # per format and width: seconds by schedule (0, 1)
+    for fmt, one in defaults.items():
+        for m, d in zip(widths, one):
+            mine, flipped = statistics.median(seconds[m, None]), statistics.median(seconds[m, fmt])
+            times[fmt].append((mine, flipped) if d == 0 else (flipped, mine))
+    chosen = sweeps.choose(times, defaults)
+    kernels.keep_sweeps(chosen)
+    return chosen
 
 
 def pass_cost(model: Transformer, n: int, context: int = 128, repeats: int = 5,

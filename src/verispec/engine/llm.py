@@ -108,6 +108,8 @@ class LLM:
         self.draft_stop = None if draft_stop == "auto" else float(draft_stop)    # None: the measured default
         self.target: LoadedModel = _load(model, dtype, device, progress)
         self.kv_dtype = kv_auto_dtype(self.target.model) if kv_dtype == "auto" else KV_DTYPES[kv_dtype]
+        if self.target.name != "in-memory":
+            self._tune_sweeps(self.target, self.kv_dtype, progress)
         self.tokenizer = self.target.tokenizer
         default_heads = False
         if proposer is None:            # measured best on a 2-core CPU (docs/PERFORMANCE_LOG.md), with k="auto":
@@ -169,6 +171,16 @@ class LLM:
             policy.set_prior("head", self._heads_first_acceptance())
             policy.costs.seed_propose("head", policy.static.c_q["head"])   # this CPU kind's profiled cost
         return policy
+
+    @staticmethod
+    def _tune_sweeps(target: LoadedModel, kv_dtype, progress: bool) -> None:
+        """This machine's sweep schedules for the int4/int6 kernels in force (timed once on the target's
+        passes, then read from the cache; nothing where the kernels have none to choose)."""
+        from verispec.engine.calibrate import tune_sweeps
+
+        say = (lambda r, total: print(f"\rtiming the kernels' sweep schedules (once per machine): {r}/{total}",
+                                      end="\n" if r == total else "", file=sys.stderr, flush=True)) if progress else None
+        tune_sweeps(target.model, on_round=say, kv_dtype=kv_dtype)
 
     @staticmethod
     def _width_ratios(target: LoadedModel, progress: bool) -> dict[int, float]:

@@ -15,6 +15,8 @@ AVX-512: the int4, int6 and int8 matmuls sum with `vpdpbusd` / `vpdpwssd` on 256
 (AVX2 + FMA). At first use the best variant this CPU supports is
 built into `$VERISPEC_CACHE/kernels/` (about a second with gcc; the file name hashes the source, the
 compiler and the variant's flags) and opened with ctypes; `VERISPEC_KERNEL_ISA=avx2` picks a lower one.
+In the avx2 and avxvnni variants the int4 and int6 kernels of 1 … 6 rows each have two sweep schedules
+with the same bits; the engine times whole passes once per machine and keeps the faster (sweeps.py).
 The matmuls give the same bits in every variant (exact integer sums, the same fp32 steps in the same
 order; tested); attention sums in 16 lanes on AVX-512 and 8 on AVX2 (and, over a bf16 cache with
 AVX512_BF16, rounds the query and the softmax weights to bf16), so whole passes agree to float rounding
@@ -42,16 +44,18 @@ import torch
 from verispec.cache import atomic_file, cache_dir
 from verispec.kernels.abi import (CacheLayout, DecoderDims, LayerWeights, LinearWeights, PassEnds,  # noqa: F401
                                   bf16_block_length, pairs_from_keys, pairs_from_values)
-from verispec.kernels import packing
+from verispec.kernels import packing, sweeps
 from verispec.kernels.packing import (BLOCK, int6_rows, pack_int4, pack_int6, pack_int8,  # noqa: F401
                                       select_block_rows, unpack_int4, unpack_int6, unpack_int8)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / f for f in ("gemm.c", "gemm4.c", "amx.c", "gemm6.c", "attention.c", "decoder.c")]
 HEADER = HERE / "kernels.h"
-ABI = 21
+ABI = 22
+SWEPT_FORMATS = ("int4", "int6")     # matmuls whose row counts 1 … SWEPT_ROWS choose a sweep schedule
+SWEPT_ROWS = 6
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-_status = "not loaded"
+_status = "not loaded"       # why no kernels are in force, or what follows "active (…)" when some are
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,8 @@ def machine() -> dict:
     return {"cpu_model": model, "cpu_core": _core_name(_cpu_fields() or {}),
             "cpu_flags": [f for f in ISA_FLAGS if f in flags], "kernel": kernel_status(),
             "kernel_variant": None if lib is None else lib.variant,
-            "kernel_build": None if lib is None else lib.build}
+            "kernel_build": None if lib is None else lib.build,
+            "kernel_sweeps": None if lib is None else lib.schedule()}
 
 
 def supported_variants() -> list[str]:
@@ -155,7 +160,15 @@ def builds_with(name: str | None, isa: str) -> bool:
 
 def kernel_status() -> str:
     _load_best()
-    return f"active ({_chosen[-1].variant}, chosen for a measurement)" if _chosen else _status
+    if _chosen:
+        return f"active ({_described(_chosen[-1])}, chosen for a measurement)"
+    return _status if _best is None else f"active ({_described(_best)})" + _status
+
+
+def _described(native: NativeKernels) -> str:
+    """'avx2; one sweep: int4 rows 1-4, int6 rows 1-3', or the variant's name alone."""
+    schedule = sweeps.describe(native.schedule() if getattr(native, "defaults", None) else None)
+    return f"{native.variant}; {schedule}" if schedule else native.variant
 
 
 def active_variant() -> str | None:
@@ -190,9 +203,33 @@ class NativeKernels:
         lib.verispec_int4_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_void_p]
         lib.verispec_rmsnorm_rows.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_long] * 4
                                               + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p])
+        lib.verispec_int4_sweeps.argtypes = lib.verispec_int6_sweeps.argtypes = [ctypes.c_void_p, ctypes.c_int]
         for fn in (lib.verispec_int8_gemm, lib.verispec_int4_gemm, lib.verispec_int6_gemm, lib.verispec_attend_rows,
-                   lib.verispec_decoder, lib.verispec_pass, lib.verispec_int4_rows, lib.verispec_rmsnorm_rows):
+                   lib.verispec_decoder, lib.verispec_pass, lib.verispec_int4_rows, lib.verispec_rmsnorm_rows,
+                   lib.verispec_int4_sweeps, lib.verispec_int6_sweeps):
             fn.restype = ctypes.c_int
+        self.defaults = self.schedule()        # the compiled sweep schedules (kernels' NH4 / NH6), or None
+
+    def schedule(self) -> dict[str, tuple[int, ...]] | None:
+        """Each row count's sweep schedule in the int4 and int6 matmuls ({"int4": (rows 1 … 6), "int6": …},
+        1 = a block's two 8-column halves in one sweep, 0 = a sweep per half; see sweeps.py), or None for
+        a variant whose 16-column block is one vector (nothing to choose)."""
+        out = {}
+        for fmt in SWEPT_FORMATS:
+            one = (ctypes.c_int * (SWEPT_ROWS + 1))()
+            if getattr(self.lib, f"verispec_{fmt}_sweeps")(one, 0):
+                return None
+            out[fmt] = tuple(one[1:])
+        return out
+
+    def set_schedule(self, fmt: str, one: tuple[int, ...]) -> None:
+        """Put one format's schedule in force (rows 1 … 6, each 0 or 1), never while kernels run. The
+        bits do not change with it."""
+        if fmt not in SWEPT_FORMATS or len(one) != SWEPT_ROWS or any(v not in (0, 1) for v in one):
+            raise ValueError(f"a sweep schedule is one of {SWEPT_FORMATS} and {SWEPT_ROWS} values of 0 or 1, "
+                             f"not {fmt!r} {one!r}")
+        if getattr(self.lib, f"verispec_{fmt}_sweeps")((ctypes.c_int * (SWEPT_ROWS + 1))(0, *one), 1):
+            raise ValueError(f"the {self.variant} kernels have no sweep schedule to choose")
 
     def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return _int8_gemm(self.lib, x, packed, scales)
@@ -227,13 +264,23 @@ class NativeKernels:
 
 @lru_cache(maxsize=None)
 def load_variant(name: str) -> NativeKernels:
-    """Build (once, cached on disk) and open one variant; raises RuntimeError saying why it cannot."""
-    return build_variant(name)
+    """Build (once, cached on disk) and open one variant, with the sweep schedule kept for this machine
+    in force (sweeps.py); raises RuntimeError saying why it cannot."""
+    native = build_variant(name)
+    sweeps.apply_kept(native, _cpu_key())
+    return native
+
+
+def _cpu_key() -> str:
+    """The CPU as a key of kept measurements: model, core and vector extensions."""
+    model, flags = _cpuinfo()
+    return " ".join([model, _core_name(_cpu_fields() or {}), *sorted(f for f in ISA_FLAGS if f in flags)])
 
 
 def build_variant(name: str, defines: tuple[str, ...] = ()) -> NativeKernels:
     """load_variant's build and checks, with extra preprocessor definitions (`defines`, "NAME" or
-    "NAME=VALUE"; the tests build deliberately broken kernels with them). Not cached in memory."""
+    "NAME=VALUE"; the tests build deliberately broken kernels with them), and the compiled default sweep
+    schedules. Not cached in memory."""
     variant = next((v for v in VARIANTS if v.name == name), None)
     if variant is None:
         raise RuntimeError(f"unknown kernel variant {name!r}; choose one of {', '.join(v.name for v in VARIANTS)}")
@@ -273,6 +320,7 @@ def build_variant(name: str, defines: tuple[str, ...] = ()) -> NativeKernels:
 
 
 _chosen: list[NativeKernels] = []        # variants put in force by `using`, innermost last
+_best: NativeKernels | None = None        # the best variant that loaded (_load_best)
 
 
 @contextmanager
@@ -293,7 +341,8 @@ def _load() -> NativeKernels | None:
 
 @lru_cache(maxsize=1)
 def _load_best() -> NativeKernels | None:
-    global _status
+    global _status, _best
+    _best = None
     if os.environ.get("VERISPEC_KERNELS", "").lower() in ("0", "off", "false", "no"):
         _status = "off (VERISPEC_KERNELS)"
         return None
@@ -309,7 +358,8 @@ def _load_best() -> NativeKernels | None:
         except RuntimeError as err:
             skipped.append(f"{name}: {err}")
             continue
-        _status = f"active ({native.variant})" + (f"; skipped {'; '.join(skipped)}" if skipped else "")
+        _status = f"; skipped {'; '.join(skipped)}" if skipped else ""
+        _best = native
         return native
     _status = f"unavailable: {'; '.join(skipped)}"
     return None
@@ -317,6 +367,27 @@ def _load_best() -> NativeKernels | None:
 
 def available() -> bool:
     return _load() is not None
+
+
+def untuned_sweeps() -> dict[str, tuple[int, ...]] | None:
+    """The compiled default sweep schedules of the kernels in force when this machine has none kept for
+    them (engine/calibrate.py then times whole passes and keeps one); None when there is nothing to
+    choose, one is kept, or VERISPEC_KERNEL_SWEEPS=default."""
+    lib = _load()
+    if lib is None or lib.defaults is None or sweeps.fixed() or sweeps.kept(lib, _cpu_key()) is not None:
+        return None
+    return lib.defaults
+
+
+def set_sweeps(schedule: dict[str, tuple[int, ...]]) -> None:
+    """Put a sweep schedule in force in the kernels in force (for timing it; the bits do not change)."""
+    for fmt, one in schedule.items():
+        _load().set_schedule(fmt, one)
+
+
+def keep_sweeps(schedule: dict[str, tuple[int, ...]]) -> None:
+    """Put a sweep schedule in force and keep it for this machine, kernel build and thread count."""
+    sweeps.keep(_load(), _cpu_key(), schedule)
 
 
 def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -129,10 +129,13 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
         for (int m = 0; m < MM; m++) _mm512_mask_storeu_ps(y + m * N + c, k, acc[m]);            \
     }
 #else
-/* One 16-column block for MM rows as two halves of 8 columns (ymm lanes); up to NH4 rows take both
-   halves in one sweep over the groups (two independent accumulator chains per row, each group's
-   scales loaded once), more rows one half per sweep (their accumulators would not fit in registers).
-   Either way each column lane sees the same operations in the same order.
+/* One 16-column block for MM rows as two halves of 8 columns (ymm lanes): both halves in one sweep
+   over the groups (NH = 2: two independent accumulator chains per row, each group's scales loaded
+   once) or one half per sweep (NH = 1: half the accumulators, the block's weights read twice). Either
+   way each column lane sees the same operations in the same order, so the schedule changes the speed
+   only: each row count's is chosen at run time (q4_one_sweep, verispec_int4_sweeps), by default one
+   sweep up to NH4 rows; verispec times both on the machine (kernels/sweeps.py), since which is faster
+   depends on the core (registers spilled, multiply ports).
    A group's sum per row and column: with AVX-VNNI (the avxvnni variant: Intel cores since Alder Lake
    without AVX-512) I itself in 32 bits, one vpdpbusd per 4 k as on AVX-512, and float(I) · float(sc)
    at the group's end, as there; otherwise the 16-bit pair sums of vpmaddubsw, widened by vpmaddwd
@@ -166,10 +169,10 @@ static inline __attribute__((always_inline)) __m256 q4_isc(__m256i s, __m256i sc
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(s, scp));
 }
 #endif
-#define KERNEL4(MM)                                                                                \
-    static void q4_##MM(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp, \
-                        const uint8_t *gs, const uint16_t *ss, float *y, long N, long G, long b) {  \
-        enum { NH = (MM) <= NH4 ? 2 : 1 };                                                       \
+#define KERNEL4(MM, NHV)                                                                           \
+    static void q4_##MM##_##NHV(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp, \
+                                const uint8_t *gs, const uint16_t *ss, float *y, long N, long G, long b) { \
+        enum { NH = NHV };                                                                        \
         const __m256i lo4 = _mm256_set1_epi32(0x0F0F0F0F);                                       \
         /* byte c of 8 scales -> 16-bit lanes 2c and 2c + 1 (column c's (sc, sc) pair) */          \
         const __m256i pairs = _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1, \
@@ -232,10 +235,45 @@ static inline __attribute__((always_inline)) __m256 q4_isc(__m256i s, __m256i sc
     }
 #endif
 
-KERNEL4(1) KERNEL4(2) KERNEL4(3) KERNEL4(4) KERNEL4(5) KERNEL4(6)
 typedef void (*q4_fn)(const int8_t *, long, const float *, const float *, const uint32_t *, const uint8_t *,
                       const uint16_t *, float *, long, long, long);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+KERNEL4(1) KERNEL4(2) KERNEL4(3) KERNEL4(4) KERNEL4(5) KERNEL4(6)
 static const q4_fn Q4[MG4 + 1] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6};
+#define Q4_FOR(mm) Q4[mm]
+
+/* A 16-column block is one vector: no schedule to choose. */
+int verispec_int4_sweeps(int *one, int set) { (void)one, (void)set; return -1; }
+#else
+KERNEL4(1, 1) KERNEL4(2, 1) KERNEL4(3, 1) KERNEL4(4, 1) KERNEL4(5, 1) KERNEL4(6, 1)
+KERNEL4(1, 2) KERNEL4(2, 2) KERNEL4(3, 2) KERNEL4(4, 2) KERNEL4(5, 2) KERNEL4(6, 2)
+static const q4_fn Q4[2][MG4 + 1] = {{0, q4_1_1, q4_2_1, q4_3_1, q4_4_1, q4_5_1, q4_6_1},
+                                     {0, q4_1_2, q4_2_2, q4_3_2, q4_4_2, q4_5_2, q4_6_2}};
+/* Per row count: 1 = both halves in one sweep. Set before kernels run, never while they do. */
+static int q4_one_sweep[MG4 + 1] = {0, 1 <= NH4, 2 <= NH4, 3 <= NH4, 4 <= NH4, 5 <= NH4, 6 <= NH4};
+#ifdef VERISPEC_BROKEN_SWEEP    /* tests only: the one-sweep schedule of 3 rows skips a block's last group */
+#define Q4_FOR(mm) ((mm) == 3 && q4_one_sweep[3] ? q4_3_broken : Q4[q4_one_sweep[mm]][mm])
+static void q4_3_broken(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp,
+                        const uint8_t *gs, const uint16_t *ss, float *y, long N, long G, long b) {
+    q4_3_2(q8, K, s8, xs, wp, gs, ss, y, N, G > 1 ? G - 1 : G, b);
+}
+#else
+#define Q4_FOR(mm) Q4[q4_one_sweep[mm]][mm]
+#endif
+
+/* one[1 … MG4]: each row count's schedule (1 = one sweep, 0 = a sweep per half). With set, takes them
+   (each 0 or 1, else returns -2 and changes nothing); then writes the schedules in force into one.
+   Returns 0, or -1 where there is no schedule to choose (the AVX-512 kernels). */
+int verispec_int4_sweeps(int *one, int set) {
+    if (set) {
+        for (int m = 1; m <= MG4; m++)
+            if (one[m] != 0 && one[m] != 1) return -2;
+        for (int m = 1; m <= MG4; m++) q4_one_sweep[m] = one[m];
+    }
+    for (int m = 1; m <= MG4; m++) one[m] = q4_one_sweep[m];
+    return 0;
+}
+#endif
 
 void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint8_t *gs,
                      const uint16_t *ss, float *y, long M, long N, long K) {
@@ -245,7 +283,7 @@ void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const u
     for (long b = 0; b < blocks; b++)
         for (long gi = 0, m0 = 0; gi < groups; gi++) {          /* rows in near-equal groups */
             long mm = (M - m0) / (groups - gi) + ((M - m0) % (groups - gi) != 0);
-            Q4[mm](q8 + m0 * K, K, s8 + m0 * G, xs + m0 * G, wp, gs, ss, y + m0 * N, N, G, b);
+            Q4_FOR(mm)(q8 + m0 * K, K, s8 + m0 * G, xs + m0 * G, wp, gs, ss, y + m0 * N, N, G, b);
             m0 += mm;
         }
 }

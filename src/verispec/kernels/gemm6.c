@@ -111,9 +111,10 @@ static void q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
         for (int m = 0; m < MM; m++) _mm512_mask_storeu_ps(y + m * N + c, k, acc[m]);            \
     }
 #else
-/* One 16-column block for MM rows as two halves of 8 columns (ymm lanes); up to NH6 rows take both
-   halves in one sweep over the groups, more rows one half per sweep. In both variants a super-block's
-   d is widened once for its 8 groups, not per group (the same values).
+/* One 16-column block for MM rows as two halves of 8 columns (ymm lanes): both halves in one sweep
+   over the groups or one half per sweep, each row count's schedule chosen at run time as in gemm4.c
+   (q6_one_sweep, verispec_int6_sweeps; by default one sweep up to NH6 rows). In both variants a
+   super-block's d is widened once for its 8 groups, not per group (the same values).
    A group's J per row and 8 columns (j6_*): on AVX2 the integer J itself, started by the Q term and
    summed by vpmaddwd against the scales (the header); with AVX-VNNI (the avxvnni variant) the two
    half-groups' I − 32 Q, summed by vpdpbusd from −32 Q, and joined in fp32 at the group's end as on
@@ -177,10 +178,10 @@ static inline __attribute__((always_inline)) __m256 j6_float(j6 s, const sc6 *sc
     return _mm256_cvtepi32_ps(s.s0);
 }
 #endif
-#define KERNEL6(MM)                                                                                \
-    static void q6_##MM(const int8_t *q8, long K, const float *s8, const int32_t *qs, const uint32_t *wp, \
-                        const int8_t *sc, const uint16_t *ds, float *y, long N, long G, long b) {   \
-        enum { NH = (MM) <= NH6 ? 2 : 1 };                                                       \
+#define KERNEL6(MM, NHV)                                                                           \
+    static void q6_##MM##_##NHV(const int8_t *q8, long K, const float *s8, const int32_t *qs, const uint32_t *wp, \
+                                const int8_t *sc, const uint16_t *ds, float *y, long N, long G, long b) { \
+        enum { NH = NHV };                                                                        \
         const __m256i lo4 = _mm256_set1_epi32(0x0F0F0F0F), hi2 = _mm256_set1_epi32(0x30303030);  \
         const long S = (G + 7) / 8, QR = QS_ROW(K), QG = QR / G;  /* qs per row, per group */      \
         for (int h0 = 0; h0 < 2; h0 += NH) {                                                      \
@@ -225,10 +226,43 @@ static inline __attribute__((always_inline)) __m256 j6_float(j6 s, const sc6 *sc
     }
 #endif
 
-KERNEL6(1) KERNEL6(2) KERNEL6(3) KERNEL6(4) KERNEL6(5) KERNEL6(6)
 typedef void (*q6_fn)(const int8_t *, long, const float *, const int32_t *, const uint32_t *, const int8_t *,
                       const uint16_t *, float *, long, long, long);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+KERNEL6(1) KERNEL6(2) KERNEL6(3) KERNEL6(4) KERNEL6(5) KERNEL6(6)
 static const q6_fn Q6[MG6 + 1] = {0, q6_1, q6_2, q6_3, q6_4, q6_5, q6_6};
+#define Q6_FOR(mm) Q6[mm]
+
+/* A 16-column block is one vector: no schedule to choose. */
+int verispec_int6_sweeps(int *one, int set) { (void)one, (void)set; return -1; }
+#else
+KERNEL6(1, 1) KERNEL6(2, 1) KERNEL6(3, 1) KERNEL6(4, 1) KERNEL6(5, 1) KERNEL6(6, 1)
+KERNEL6(1, 2) KERNEL6(2, 2) KERNEL6(3, 2) KERNEL6(4, 2) KERNEL6(5, 2) KERNEL6(6, 2)
+static const q6_fn Q6[2][MG6 + 1] = {{0, q6_1_1, q6_2_1, q6_3_1, q6_4_1, q6_5_1, q6_6_1},
+                                     {0, q6_1_2, q6_2_2, q6_3_2, q6_4_2, q6_5_2, q6_6_2}};
+/* Per row count: 1 = both halves in one sweep. Set before kernels run, never while they do. */
+static int q6_one_sweep[MG6 + 1] = {0, 1 <= NH6, 2 <= NH6, 3 <= NH6, 4 <= NH6, 5 <= NH6, 6 <= NH6};
+#ifdef VERISPEC_BROKEN_SWEEP    /* tests only: the one-sweep schedule of 3 rows skips a block's last group */
+#define Q6_FOR(mm) ((mm) == 3 && q6_one_sweep[3] ? q6_3_broken : Q6[q6_one_sweep[mm]][mm])
+static void q6_3_broken(const int8_t *q8, long K, const float *s8, const int32_t *qs, const uint32_t *wp,
+                        const int8_t *sc, const uint16_t *ds, float *y, long N, long G, long b) {
+    q6_3_2(q8, K, s8, qs, wp, sc, ds, y, N, G > 1 ? G - 1 : G, b);
+}
+#else
+#define Q6_FOR(mm) Q6[q6_one_sweep[mm]][mm]
+#endif
+
+/* As verispec_int4_sweeps, for the int6 kernels. */
+int verispec_int6_sweeps(int *one, int set) {
+    if (set) {
+        for (int m = 1; m <= MG6; m++)
+            if (one[m] != 0 && one[m] != 1) return -2;
+        for (int m = 1; m <= MG6; m++) q6_one_sweep[m] = one[m];
+    }
+    for (int m = 1; m <= MG6; m++) one[m] = q6_one_sweep[m];
+    return 0;
+}
+#endif
 
 void vs_int6_gemm_ws(const int8_t *q8, const float *s8, int32_t *qs, const uint32_t *wp, const int8_t *sc,
                      const uint16_t *ds, float *y, long M, long N, long K) {
@@ -239,7 +273,7 @@ void vs_int6_gemm_ws(const int8_t *q8, const float *s8, int32_t *qs, const uint3
     for (long b = 0; b < blocks; b++)
         for (long gi = 0, m0 = 0; gi < groups; gi++) {          /* rows in near-equal groups */
             long mm = (M - m0) / (groups - gi) + ((M - m0) % (groups - gi) != 0);
-            Q6[mm](q8 + m0 * K, K, s8 + m0 * G, qs + m0 * QS_ROW(K), wp, sc, ds, y + m0 * N, N, G, b);
+            Q6_FOR(mm)(q8 + m0 * K, K, s8 + m0 * G, qs + m0 * QS_ROW(K), wp, sc, ds, y + m0 * N, N, G, b);
             m0 += mm;
         }
 }

@@ -13,7 +13,7 @@
 #include <omp.h>
 #endif
 
-#define ABI 21
+#define ABI 22
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -1,0 +1,109 @@
+"""Each row count's sweep schedule in the int4 and int6 matmuls, chosen once per machine.
+
+In the avx2 and avxvnni variants a 16-column block of weights is two 8-lane vectors, and the kernel for M
+rows (1 … 6; wider passes run in groups of up to 6 rows) either takes both halves in one sweep over the
+block's groups — two accumulator chains per row, each group's weights and scales read once — or one half
+per sweep, with half the accumulators live and the block read twice (the second time from cache, while
+memory waits). Every column lane sees the same operations in the same order either way, so the bits are
+the same (tested) and the choice is speed only. Which is faster depends on the core (how many
+accumulators fit in its 16 vector registers before the compiler spills them, how many multiplies it
+issues per cycle) and on its memory: timed alone with the weights in cache, one sweep of 5 or 6 int4 rows
+ran 1.06–1.22x slower than two on a Golden Cove core, yet in whole 1.5B passes, where the weights stream
+from memory, one sweep was faster at every row count (6 rows: 80.5 against 86.2 ms).
+
+So the engine times whole passes of the model it runs (engine/calibrate.py: `tune_sweeps`) and keeps the
+result here, per kernel build, CPU and thread count, in `$VERISPEC_CACHE/kernels/sweeps.json`;
+`load_variant` puts a kept schedule in force. `choose` keeps the compiled default (kernels' NH4 / NH6)
+unless the other schedule is faster by more than MARGIN. VERISPEC_KERNEL_SWEEPS=default keeps the
+compiled defaults and times nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from verispec.cache import cache_dir, write_json
+
+MARGIN = 0.03           # a schedule replaces the compiled default only when this much faster
+
+
+def describe(schedule: dict[str, tuple[int, ...]] | None) -> str:
+    """'one sweep: int4 rows 1-4, int6 rows 1-3' for a schedule (NativeKernels.schedule); '' for none."""
+    if schedule is None:
+        return ""
+    parts = []
+    for fmt, one in schedule.items():
+        rows = [m for m, v in enumerate(one, 1) if v]
+        if not rows:
+            parts.append(f"{fmt} none")
+        elif rows == list(range(1, rows[-1] + 1)):
+            parts.append(f"{fmt} rows 1-{rows[-1]}" if rows[-1] > 1 else f"{fmt} row 1")
+        else:
+            parts.append(f"{fmt} rows {','.join(map(str, rows))}")
+    return "one sweep: " + ", ".join(parts)
+
+
+def fixed() -> bool:
+    """VERISPEC_KERNEL_SWEEPS=default: the compiled defaults, nothing timed or kept."""
+    return os.environ.get("VERISPEC_KERNEL_SWEEPS", "").strip().lower() == "default"
+
+
+def _path():
+    return cache_dir() / "kernels" / "sweeps.json"
+
+
+def _key(native, cpu: str) -> str:
+    return "|".join([native.variant, native.build, cpu, f"{torch.get_num_threads()} threads"])
+
+
+def _stored() -> dict:
+    try:
+        stored = json.loads(_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
+
+def kept(native, cpu: str) -> dict[str, tuple[int, ...]] | None:
+    """The schedule kept for this build, CPU and thread count, or None (none kept, a variant without a
+    choice, VERISPEC_KERNEL_SWEEPS=default, or an entry that is not a schedule: timed again)."""
+    defaults = native.defaults
+    entry = _stored().get(_key(native, cpu))
+    if defaults is None or fixed() or not isinstance(entry, dict) or set(entry) != set(defaults):
+        return None
+    out = {}
+    for fmt, one in entry.items():
+        if not isinstance(one, list) or len(one) != len(defaults[fmt]) or any(v not in (0, 1) for v in one):
+            return None
+        out[fmt] = tuple(int(v) for v in one)
+    return out
+
+
+def keep(native, cpu: str, schedule: dict[str, tuple[int, ...]]) -> None:
+    """Put `schedule` in force in `native` and keep it for this build, CPU and thread count (other entries
+    stay; a read-only cache keeps nothing, and the next process times again)."""
+    for fmt, one in schedule.items():
+        native.set_schedule(fmt, one)
+    stored = _stored()
+    stored[_key(native, cpu)] = {fmt: list(one) for fmt, one in schedule.items()}
+    write_json(_path(), stored)
+
+
+def apply_kept(native, cpu: str) -> None:
+    """Put the kept schedule, if any, in force in `native`."""
+    for fmt, one in (kept(native, cpu) or {}).items():
+        native.set_schedule(fmt, one)
+
+
+def choose(times: dict[str, list[tuple[float, float]]], defaults: dict[str, tuple[int, ...]],
+           margin: float = MARGIN) -> dict[str, tuple[int, ...]]:
+    """Per format and row count the compiled default, or the other schedule where it is faster by more than
+    `margin` (a tie on a noisy machine keeps the default)."""
+    out = {}
+    for fmt, one in defaults.items():
+        out[fmt] = tuple(1 - d if times[fmt][m][1 - d] < (1 - margin) * times[fmt][m][d] else d
+                         for m, d in enumerate(one))
+    return out
