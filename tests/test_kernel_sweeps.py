@@ -30,7 +30,7 @@ def swept_variant(name: str):
 def schedule_mismatches(lib) -> list[tuple]:
     """(format, rows, K) of every matmul whose bits differ between the two schedules (all rows one sweep
     against all rows a sweep per half), over awkward shapes: K = 896 ends in half a super-block, N = 100
-    in a part-filled block, 7–13 rows run as two groups."""
+    in a part-filled block, 7–13 rows run as two or three groups (7: 4 + 3)."""
     before = lib.schedule()
     torch.manual_seed(5)
     cases = []
@@ -41,11 +41,11 @@ def schedule_mismatches(lib) -> list[tuple]:
     bad = []
     try:
         for fmt, k, gemm in cases:
-            for m in (*range(1, 7), 9, 13):
+            for m in (*range(1, 8), 9, 13):
                 x = torch.randn(m, k) * 3                                   # (M, K)
                 outs = []
                 for one in (0, 1):
-                    lib.set_schedule(fmt, (one,) * kernels.SWEPT_ROWS)
+                    lib.set_schedule(fmt, (one,) * (2 * kernels.SWEPT_ROWS))
                     outs.append(gemm(x))
                 if not torch.equal(*outs):
                     bad.append((fmt, m, k))
@@ -65,15 +65,17 @@ def test_both_sweep_schedules_give_the_same_bits(name):
 
 def test_a_kernel_whose_schedules_differ_is_caught():
     """Broken on purpose: the one-sweep kernels of 3 rows skip a block's last group (int4 and int6). The
-    comparison above fails on that build — it can fail — at 3 rows and only there."""
+    comparison above fails on that build — it can fail — where a group of 3 rows runs (3 rows; 7 = 4 + 3)
+    and only there."""
     swept_variant("avx2")
     broken = kernels.build_variant("avx2", ("VERISPEC_BROKEN_SWEEP",))
-    assert sorted(schedule_mismatches(broken)) == sorted((fmt, 3, k) for fmt in ("int4", "int6") for k in (896, 1536))
+    assert sorted(schedule_mismatches(broken)) == sorted((fmt, m, k) for fmt in ("int4", "int6") for m in (3, 7)
+                                                         for k in (896, 1536))
 
 
 def test_a_schedule_is_set_only_where_there_is_one_to_choose():
     lib = swept_variant("avx2")
-    for fmt, one in (("int5", (1,) * 6), ("int4", (1,) * 5), ("int4", (1, 2, 1, 1, 1, 1)), ("int6", (True,) * 6 + (1,))):
+    for fmt, one in (("int5", (1,) * 12), ("int4", (1,) * 6), ("int4", (1, 2) * 6), ("int6", (1,) * 13)):
         with pytest.raises(ValueError, match="sweep schedule"):
             lib.set_schedule(fmt, one)
     wide = next((v for v in kernels.supported_variants() if kernels.builds_with(v, "avx512f")), None)
@@ -81,21 +83,22 @@ def test_a_schedule_is_set_only_where_there_is_one_to_choose():
         native = kernels.load_variant(wide)
         assert native.schedule() is None and native.defaults is None
         with pytest.raises(ValueError, match="no sweep schedule"):
-            native.set_schedule("int4", (1,) * 6)
+            native.set_schedule("int4", (1,) * 12)
 
 
 def test_schedules_are_described_for_results_files():
     assert sweeps.describe(None) == ""
-    assert sweeps.describe({"int4": (1, 1, 1, 1, 0, 0), "int6": (1, 0, 0, 0, 0, 0)}) == \
-        "one sweep: int4 rows 1-4, int6 row 1"
-    assert sweeps.describe({"int4": (0,) * 6, "int6": (1, 1, 0, 1, 0, 1)}) == "one sweep: int4 none, int6 rows 1,2,4,6"
+    assert sweeps.describe({"int4": (1, 1, 1, 1, 0, 0) + (1, 1, 1, 0, 0, 0), "int6": (1, 0, 0, 0, 0, 0) + (0,) * 6}) == \
+        "one sweep (first row group / later ones): int4 rows 1-4 / 1-3, int6 rows 1 / none"
+    assert sweeps.describe({"int4": (0,) * 12, "int6": (1, 1, 0, 1, 0, 1) * 2}) == \
+        "one sweep (first row group / later ones): int4 rows none / none, int6 rows 1,2,4,6 / 1,2,4,6"
 
 
 def test_the_other_schedule_must_win_by_the_margin():
-    defaults = {"int4": (1, 1, 0), "int6": (1, 0, 0)}
-    times = {"int4": [(0.90, 1.00), (1.00, 0.99), (0.95, 1.00)],      # (a sweep per half, one sweep)
-             "int6": [(1.00, 0.80), (1.00, 0.96), (1.00, 0.98)]}
-    assert sweeps.choose(times, defaults, margin=0.03) == {"int4": (0, 1, 0), "int6": (1, 1, 0)}
+    defaults = {"int4": (1, 1, 0, 0), "int6": (1, 0, 0, 1)}
+    times = {"int4": {0: (0.90, 1.00), 1: (1.00, 0.99), 2: (0.95, 1.00)},      # (a sweep per half, one sweep)
+             "int6": {1: (1.00, 0.96), 2: (1.00, 0.98), 3: (0.50, 1.00)}}      # entries not timed keep their default
+    assert sweeps.choose(times, defaults, margin=0.03) == {"int4": (0, 1, 0, 0), "int6": (1, 1, 0, 0)}
 
 
 @pytest.fixture
@@ -118,22 +121,25 @@ def timed_passes(monkeypatch, tmp_path):
 
 
 def test_the_engine_keeps_the_schedule_whole_passes_chose(timed_passes):
-    """One sweep of 4 int6 rows 10 % faster, the other schedule of 2 int4 rows 20 % slower: the kept
-    schedule takes the first and keeps the default of the second; a later process reads it instead of
-    timing again."""
+    """Passes of 4 rows 10 % faster with one int6 sweep, of 10 rows (5 + 5) 10 % faster with two int4 sweeps
+    for the later group, of 2 rows 20 % slower with int4's other schedule: the kept schedule takes the first
+    two and keeps the default of the third; a later process reads it instead of timing again."""
     lib, rule = timed_passes
     defaults = lib.defaults
 
     def seconds(schedule, n):
         t = 0.05
-        if n == 4 and schedule["int6"][3]:
+        if n == 4 and schedule["int6"][3]:                       # rows 4, first group
+            t *= 0.9
+        if n == 10 and not schedule["int4"][6 + 4]:              # rows 5, later groups
             t *= 0.9
         if n == 2 and schedule["int4"][1] != defaults["int4"][1]:
             t *= 1.2
         return t
     rule["seconds"] = seconds
     chosen = calibrate.tune_sweeps(model=None, rounds=2)
-    expected = {"int4": defaults["int4"], "int6": defaults["int6"][:3] + (1,) + defaults["int6"][4:]}
+    expected = {"int4": defaults["int4"][:10] + (0,) + defaults["int4"][11:],
+                "int6": defaults["int6"][:3] + (1,) + defaults["int6"][4:]}
     assert chosen == expected and lib.schedule() == expected
     assert "int6 rows" in kernels.kernel_status() and kernels.machine()["kernel_sweeps"] == expected
     assert kernels.untuned_sweeps() is None                       # kept: nothing to time

@@ -62,42 +62,52 @@ def _pass_timer(model: Transformer, top: int, context: int, vocab: torch.Tensor 
     return timed
 
 
+# Passes whose row groups after the first have r rows (groups of up to 6, near-equal, the larger first;
+# a pass of 7 or more rows never has a later group of 1 or 2): where the later groups' schedules are timed.
+LATER_GROUP_WIDTHS = {3: 7, 4: 8, 5: 10, 6: 12}
+
+
 def tune_sweeps(model: Transformer, rounds: int = 4, on_round=None,
                 kv_dtype: torch.dtype | None = None) -> dict[str, tuple[int, ...]] | None:
     """Choose and keep this machine's sweep schedules for the kernels in force (kernels/sweeps.py) by
-    timing whole passes of `model` — where the weights stream from memory, which decides it — unless one
-    is kept already or there is nothing to choose (then None, at once). For each width 1 … 6 a round
-    times a pass with the compiled defaults and one with each format's schedule for that row count
-    flipped, in an order that turns from round to round; a flip is kept where its median beats the
-    default's by more than sweeps.MARGIN. Several seconds, once per machine, kernel build and threads."""
+    timing whole passes of `model` — with its weights streaming from memory, which decides it — unless one
+    is kept already or there is nothing to choose (then None, at once). A pass's first group of rows reads
+    each block from memory and the groups after it from cache, so each has its own schedule: passes of 1 … 6
+    rows time the first group's, passes of 7, 8, 10 and 12 rows the later groups'. Every round times each
+    such width with the compiled defaults and with each format's entry flipped, one after the other in an
+    order that turns from round to round; a flip is kept where its median time over the defaults' of the
+    same round is below 1 − sweeps.MARGIN. About ten seconds on an AVX2 machine, once per machine, kernel
+    build and thread count."""
     from verispec import kernels
     from verispec.kernels import sweeps
 
     defaults = kernels.untuned_sweeps()
     if defaults is None:
         return None
-    widths = range(1, kernels.SWEPT_ROWS + 1)
-    trials = [None, *kernels.SWEPT_FORMATS]          # None: the defaults; a format: its schedule flipped
-    timed = _pass_timer(model, max(widths), 128, None, kv_dtype)
-    seconds = {(m, trial): [] for m in widths for trial in trials}
+    rows = kernels.SWEPT_ROWS
+    entries = {m: m - 1 for m in range(1, rows + 1)}                  # width -> schedule index it decides
+    entries.update({w: rows + r - 1 for r, w in LATER_GROUP_WIDTHS.items()})
+    trials = [None, *kernels.SWEPT_FORMATS]          # None: the defaults; a format: its entry flipped
+    timed = _pass_timer(model, max(entries), 128, None, kv_dtype)
+    seconds = {(w, trial): [] for w in entries for trial in trials}
     try:
         for r in range(rounds + 1):                  # round 0 warms up
-            for m in widths:
+            for w, i in entries.items():
                 for trial in trials[r % 3:] + trials[:r % 3]:
-                    kernels.set_sweeps({fmt: tuple(1 - d if fmt == trial and row == m else d
-                                                   for row, d in enumerate(one, 1)) for fmt, one in defaults.items()})
-                    t = timed(m)
+                    kernels.set_sweeps({fmt: tuple(1 - d if fmt == trial and j == i else d for j, d in enumerate(one))
+                                        for fmt, one in defaults.items()})
+                    t = timed(w)
                     if r:
-                        seconds[m, trial].append(t)
+                        seconds[w, trial].append(t)
             if on_round:
                 on_round(r, rounds)
     finally:
         kernels.set_sweeps(defaults)
-    times = {fmt: [] for fmt in defaults}            # per format and width: seconds by schedule (0, 1)
+    times = {fmt: {} for fmt in defaults}            # format -> index -> (a sweep per half, one sweep), relative
     for fmt, one in defaults.items():
-        for m, d in zip(widths, one):
-            mine, flipped = statistics.median(seconds[m, None]), statistics.median(seconds[m, fmt])
-            times[fmt].append((mine, flipped) if d == 0 else (flipped, mine))
+        for w, i in entries.items():                 # the flip over the defaults of the same round: a slow spell
+            flipped = statistics.median(f / d for f, d in zip(seconds[w, fmt], seconds[w, None]))   # cancels
+            times[fmt][i] = (1.0, flipped) if one[i] == 0 else (flipped, 1.0)
     chosen = sweeps.choose(times, defaults)
     kernels.keep_sweeps(chosen)
     return chosen

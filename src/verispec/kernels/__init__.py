@@ -166,7 +166,7 @@ def kernel_status() -> str:
 
 
 def _described(native: NativeKernels) -> str:
-    """'avx2; one sweep: int4 rows 1-4, int6 rows 1-3', or the variant's name alone."""
+    """'avx2; one sweep (first row group / later ones): int4 rows 1-5 / 1-3, …', or the variant's name."""
     schedule = sweeps.describe(native.schedule() if getattr(native, "defaults", None) else None)
     return f"{native.variant}; {schedule}" if schedule else native.variant
 
@@ -211,24 +211,25 @@ class NativeKernels:
         self.defaults = self.schedule()        # the compiled sweep schedules (kernels' NH4 / NH6), or None
 
     def schedule(self) -> dict[str, tuple[int, ...]] | None:
-        """Each row count's sweep schedule in the int4 and int6 matmuls ({"int4": (rows 1 … 6), "int6": …},
-        1 = a block's two 8-column halves in one sweep, 0 = a sweep per half; see sweeps.py), or None for
-        a variant whose 16-column block is one vector (nothing to choose)."""
+        """Each row count's sweep schedule in the int4 and int6 matmuls, {"int4": (rows 1 … 6 of a pass's first
+        group of rows, then rows 1 … 6 of the groups after it), "int6": …}: 1 = a block's two 8-column halves
+        in one sweep, 0 = a sweep per half (see sweeps.py). None for a variant whose 16-column block is one
+        vector (nothing to choose)."""
         out = {}
         for fmt in SWEPT_FORMATS:
-            one = (ctypes.c_int * (SWEPT_ROWS + 1))()
+            one = (ctypes.c_int * (2 * SWEPT_ROWS))()
             if getattr(self.lib, f"verispec_{fmt}_sweeps")(one, 0):
                 return None
-            out[fmt] = tuple(one[1:])
+            out[fmt] = tuple(one)
         return out
 
     def set_schedule(self, fmt: str, one: tuple[int, ...]) -> None:
-        """Put one format's schedule in force (rows 1 … 6, each 0 or 1), never while kernels run. The
-        bits do not change with it."""
-        if fmt not in SWEPT_FORMATS or len(one) != SWEPT_ROWS or any(v not in (0, 1) for v in one):
-            raise ValueError(f"a sweep schedule is one of {SWEPT_FORMATS} and {SWEPT_ROWS} values of 0 or 1, "
+        """Put one format's schedule in force (as `schedule` gives it: 12 values, each 0 or 1), never while
+        kernels run. The bits do not change with it."""
+        if fmt not in SWEPT_FORMATS or len(one) != 2 * SWEPT_ROWS or any(v not in (0, 1) for v in one):
+            raise ValueError(f"a sweep schedule is one of {SWEPT_FORMATS} and {2 * SWEPT_ROWS} values of 0 or 1, "
                              f"not {fmt!r} {one!r}")
-        if getattr(self.lib, f"verispec_{fmt}_sweeps")((ctypes.c_int * (SWEPT_ROWS + 1))(0, *one), 1):
+        if getattr(self.lib, f"verispec_{fmt}_sweeps")((ctypes.c_int * (2 * SWEPT_ROWS))(*one), 1):
             raise ValueError(f"the {self.variant} kernels have no sweep schedule to choose")
 
     def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -133,9 +133,10 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
    over the groups (NH = 2: two independent accumulator chains per row, each group's scales loaded
    once) or one half per sweep (NH = 1: half the accumulators, the block's weights read twice). Either
    way each column lane sees the same operations in the same order, so the schedule changes the speed
-   only: each row count's is chosen at run time (q4_one_sweep, verispec_int4_sweeps), by default one
-   sweep up to NH4 rows; verispec times both on the machine (kernels/sweeps.py), since which is faster
-   depends on the core (registers spilled, multiply ports).
+   only: each row count's is chosen at run time (q4_one_sweep, verispec_int4_sweeps), apart for a pass's
+   first group of rows, which reads the block from memory, and the groups after it, which find it in
+   cache; by default one sweep up to NH4 rows. verispec times both on the machine (kernels/sweeps.py),
+   since which is faster depends on the core (registers spilled, multiply ports) and its memory.
    A group's sum per row and column: with AVX-VNNI (the avxvnni variant: Intel cores since Alder Lake
    without AVX-512) I itself in 32 bits, one vpdpbusd per 4 k as on AVX-512, and float(I) · float(sc)
    at the group's end, as there; otherwise the 16-bit pair sums of vpmaddubsw, widened by vpmaddwd
@@ -240,7 +241,7 @@ typedef void (*q4_fn)(const int8_t *, long, const float *, const float *, const 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 KERNEL4(1) KERNEL4(2) KERNEL4(3) KERNEL4(4) KERNEL4(5) KERNEL4(6)
 static const q4_fn Q4[MG4 + 1] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6};
-#define Q4_FOR(mm) Q4[mm]
+#define Q4_FOR(mm, later) Q4[mm]
 
 /* A 16-column block is one vector: no schedule to choose. */
 int verispec_int4_sweeps(int *one, int set) { (void)one, (void)set; return -1; }
@@ -249,28 +250,31 @@ KERNEL4(1, 1) KERNEL4(2, 1) KERNEL4(3, 1) KERNEL4(4, 1) KERNEL4(5, 1) KERNEL4(6,
 KERNEL4(1, 2) KERNEL4(2, 2) KERNEL4(3, 2) KERNEL4(4, 2) KERNEL4(5, 2) KERNEL4(6, 2)
 static const q4_fn Q4[2][MG4 + 1] = {{0, q4_1_1, q4_2_1, q4_3_1, q4_4_1, q4_5_1, q4_6_1},
                                      {0, q4_1_2, q4_2_2, q4_3_2, q4_4_2, q4_5_2, q4_6_2}};
-/* Per row count: 1 = both halves in one sweep. Set before kernels run, never while they do. */
-static int q4_one_sweep[MG4 + 1] = {0, 1 <= NH4, 2 <= NH4, 3 <= NH4, 4 <= NH4, 5 <= NH4, 6 <= NH4};
-#ifdef VERISPEC_BROKEN_SWEEP    /* tests only: the one-sweep schedule of 3 rows skips a block's last group */
-#define Q4_FOR(mm) ((mm) == 3 && q4_one_sweep[3] ? q4_3_broken : Q4[q4_one_sweep[mm]][mm])
+/* Per row count: 1 = both halves in one sweep; [0] for a pass's first group of rows (the block's weights
+   come from memory), [1] for the groups after it (from cache). Set before kernels run, never while they do. */
+static int q4_one_sweep[2][MG4 + 1] = {{0, 1 <= NH4, 2 <= NH4, 3 <= NH4, 4 <= NH4, 5 <= NH4, 6 <= NH4},
+                                        {0, 1 <= NH4, 2 <= NH4, 3 <= NH4, 4 <= NH4, 5 <= NH4, 6 <= NH4}};
+#ifdef VERISPEC_BROKEN_SWEEP    /* tests only: the one-sweep kernel of 3 rows skips a block's last group */
+#define Q4_FOR(mm, later) ((mm) == 3 && q4_one_sweep[later][3] ? q4_3_broken : Q4[q4_one_sweep[later][mm]][mm])
 static void q4_3_broken(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp,
                         const uint8_t *gs, const uint16_t *ss, float *y, long N, long G, long b) {
     q4_3_2(q8, K, s8, xs, wp, gs, ss, y, N, G > 1 ? G - 1 : G, b);
 }
 #else
-#define Q4_FOR(mm) Q4[q4_one_sweep[mm]][mm]
+#define Q4_FOR(mm, later) Q4[q4_one_sweep[later][mm]][mm]
 #endif
 
-/* one[1 … MG4]: each row count's schedule (1 = one sweep, 0 = a sweep per half). With set, takes them
-   (each 0 or 1, else returns -2 and changes nothing); then writes the schedules in force into one.
-   Returns 0, or -1 where there is no schedule to choose (the AVX-512 kernels). */
+/* one[0 … 2·MG4 − 1]: each row count's schedule (1 = one sweep, 0 = a sweep per half), rows 1 … MG4 of a
+   pass's first group, then of the later ones. With set, takes them (each 0 or 1, else returns -2 and
+   changes nothing); then writes the schedules in force into one. Returns 0, or -1 where there is no
+   schedule to choose (the AVX-512 kernels). */
 int verispec_int4_sweeps(int *one, int set) {
     if (set) {
-        for (int m = 1; m <= MG4; m++)
-            if (one[m] != 0 && one[m] != 1) return -2;
-        for (int m = 1; m <= MG4; m++) q4_one_sweep[m] = one[m];
+        for (int i = 0; i < 2 * MG4; i++)
+            if (one[i] != 0 && one[i] != 1) return -2;
+        for (int i = 0; i < 2 * MG4; i++) q4_one_sweep[i / MG4][1 + i % MG4] = one[i];
     }
-    for (int m = 1; m <= MG4; m++) one[m] = q4_one_sweep[m];
+    for (int i = 0; i < 2 * MG4; i++) one[i] = q4_one_sweep[i / MG4][1 + i % MG4];
     return 0;
 }
 #endif
@@ -283,7 +287,7 @@ void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const u
     for (long b = 0; b < blocks; b++)
         for (long gi = 0, m0 = 0; gi < groups; gi++) {          /* rows in near-equal groups */
             long mm = (M - m0) / (groups - gi) + ((M - m0) % (groups - gi) != 0);
-            Q4_FOR(mm)(q8 + m0 * K, K, s8 + m0 * G, xs + m0 * G, wp, gs, ss, y + m0 * N, N, G, b);
+            Q4_FOR(mm, gi > 0)(q8 + m0 * K, K, s8 + m0 * G, xs + m0 * G, wp, gs, ss, y + m0 * N, N, G, b);
             m0 += mm;
         }
 }

@@ -112,8 +112,9 @@ static void q8_sums16_ws(const int8_t *q8, long M, long K, int32_t *qs) {
     }
 #else
 /* One 16-column block for MM rows as two halves of 8 columns (ymm lanes): both halves in one sweep
-   over the groups or one half per sweep, each row count's schedule chosen at run time as in gemm4.c
-   (q6_one_sweep, verispec_int6_sweeps; by default one sweep up to NH6 rows). In both variants a
+   over the groups or one half per sweep, each row count's schedule (for a pass's first group of rows and
+   for the later ones) chosen at run time as in gemm4.c (q6_one_sweep, verispec_int6_sweeps; by default
+   one sweep up to NH6 rows). In both variants a
    super-block's d is widened once for its 8 groups, not per group (the same values).
    A group's J per row and 8 columns (j6_*): on AVX2 the integer J itself, started by the Q term and
    summed by vpmaddwd against the scales (the header); with AVX-VNNI (the avxvnni variant) the two
@@ -231,7 +232,7 @@ typedef void (*q6_fn)(const int8_t *, long, const float *, const int32_t *, cons
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 KERNEL6(1) KERNEL6(2) KERNEL6(3) KERNEL6(4) KERNEL6(5) KERNEL6(6)
 static const q6_fn Q6[MG6 + 1] = {0, q6_1, q6_2, q6_3, q6_4, q6_5, q6_6};
-#define Q6_FOR(mm) Q6[mm]
+#define Q6_FOR(mm, later) Q6[mm]
 
 /* A 16-column block is one vector: no schedule to choose. */
 int verispec_int6_sweeps(int *one, int set) { (void)one, (void)set; return -1; }
@@ -240,26 +241,28 @@ KERNEL6(1, 1) KERNEL6(2, 1) KERNEL6(3, 1) KERNEL6(4, 1) KERNEL6(5, 1) KERNEL6(6,
 KERNEL6(1, 2) KERNEL6(2, 2) KERNEL6(3, 2) KERNEL6(4, 2) KERNEL6(5, 2) KERNEL6(6, 2)
 static const q6_fn Q6[2][MG6 + 1] = {{0, q6_1_1, q6_2_1, q6_3_1, q6_4_1, q6_5_1, q6_6_1},
                                      {0, q6_1_2, q6_2_2, q6_3_2, q6_4_2, q6_5_2, q6_6_2}};
-/* Per row count: 1 = both halves in one sweep. Set before kernels run, never while they do. */
-static int q6_one_sweep[MG6 + 1] = {0, 1 <= NH6, 2 <= NH6, 3 <= NH6, 4 <= NH6, 5 <= NH6, 6 <= NH6};
-#ifdef VERISPEC_BROKEN_SWEEP    /* tests only: the one-sweep schedule of 3 rows skips a block's last group */
-#define Q6_FOR(mm) ((mm) == 3 && q6_one_sweep[3] ? q6_3_broken : Q6[q6_one_sweep[mm]][mm])
+/* Per row count: 1 = both halves in one sweep; [0] for a pass's first group of rows (the block's weights
+   come from memory), [1] for the groups after it (from cache). Set before kernels run, never while they do. */
+static int q6_one_sweep[2][MG6 + 1] = {{0, 1 <= NH6, 2 <= NH6, 3 <= NH6, 4 <= NH6, 5 <= NH6, 6 <= NH6},
+                                        {0, 1 <= NH6, 2 <= NH6, 3 <= NH6, 4 <= NH6, 5 <= NH6, 6 <= NH6}};
+#ifdef VERISPEC_BROKEN_SWEEP    /* tests only: the one-sweep kernel of 3 rows skips a block's last group */
+#define Q6_FOR(mm, later) ((mm) == 3 && q6_one_sweep[later][3] ? q6_3_broken : Q6[q6_one_sweep[later][mm]][mm])
 static void q6_3_broken(const int8_t *q8, long K, const float *s8, const int32_t *qs, const uint32_t *wp,
                         const int8_t *sc, const uint16_t *ds, float *y, long N, long G, long b) {
     q6_3_2(q8, K, s8, qs, wp, sc, ds, y, N, G > 1 ? G - 1 : G, b);
 }
 #else
-#define Q6_FOR(mm) Q6[q6_one_sweep[mm]][mm]
+#define Q6_FOR(mm, later) Q6[q6_one_sweep[later][mm]][mm]
 #endif
 
 /* As verispec_int4_sweeps, for the int6 kernels. */
 int verispec_int6_sweeps(int *one, int set) {
     if (set) {
-        for (int m = 1; m <= MG6; m++)
-            if (one[m] != 0 && one[m] != 1) return -2;
-        for (int m = 1; m <= MG6; m++) q6_one_sweep[m] = one[m];
+        for (int i = 0; i < 2 * MG6; i++)
+            if (one[i] != 0 && one[i] != 1) return -2;
+        for (int i = 0; i < 2 * MG6; i++) q6_one_sweep[i / MG6][1 + i % MG6] = one[i];
     }
-    for (int m = 1; m <= MG6; m++) one[m] = q6_one_sweep[m];
+    for (int i = 0; i < 2 * MG6; i++) one[i] = q6_one_sweep[i / MG6][1 + i % MG6];
     return 0;
 }
 #endif
@@ -273,7 +276,7 @@ void vs_int6_gemm_ws(const int8_t *q8, const float *s8, int32_t *qs, const uint3
     for (long b = 0; b < blocks; b++)
         for (long gi = 0, m0 = 0; gi < groups; gi++) {          /* rows in near-equal groups */
             long mm = (M - m0) / (groups - gi) + ((M - m0) % (groups - gi) != 0);
-            Q6_FOR(mm)(q8 + m0 * K, K, s8 + m0 * G, qs + m0 * QS_ROW(K), wp, sc, ds, y + m0 * N, N, G, b);
+            Q6_FOR(mm, gi > 0)(q8 + m0 * K, K, s8 + m0 * G, qs + m0 * QS_ROW(K), wp, sc, ds, y + m0 * N, N, G, b);
             m0 += mm;
         }
 }

@@ -31,19 +31,19 @@ MARGIN = 0.03           # a schedule replaces the compiled default only when thi
 
 
 def describe(schedule: dict[str, tuple[int, ...]] | None) -> str:
-    """'one sweep: int4 rows 1-4, int6 rows 1-3' for a schedule (NativeKernels.schedule); '' for none."""
+    """'one sweep (first row group / later ones): int4 rows 1-5 / 1-3, int6 rows 1-4 / none' for a schedule
+    (NativeKernels.schedule); '' for none."""
     if schedule is None:
         return ""
-    parts = []
-    for fmt, one in schedule.items():
-        rows = [m for m, v in enumerate(one, 1) if v]
-        if not rows:
-            parts.append(f"{fmt} none")
-        elif rows == list(range(1, rows[-1] + 1)):
-            parts.append(f"{fmt} rows 1-{rows[-1]}" if rows[-1] > 1 else f"{fmt} row 1")
-        else:
-            parts.append(f"{fmt} rows {','.join(map(str, rows))}")
-    return "one sweep: " + ", ".join(parts)
+
+    def rows(one: tuple[int, ...]) -> str:
+        ms = [m for m, v in enumerate(one, 1) if v]
+        if not ms:
+            return "none"
+        return f"1-{ms[-1]}" if ms == list(range(1, ms[-1] + 1)) and len(ms) > 1 else ",".join(map(str, ms))
+    half = len(next(iter(schedule.values()))) // 2
+    return "one sweep (first row group / later ones): " + ", ".join(
+        f"{fmt} rows {rows(one[:half])} / {rows(one[half:])}" for fmt, one in schedule.items())
 
 
 def fixed() -> bool:
@@ -98,12 +98,16 @@ def apply_kept(native, cpu: str) -> None:
         native.set_schedule(fmt, one)
 
 
-def choose(times: dict[str, list[tuple[float, float]]], defaults: dict[str, tuple[int, ...]],
+def choose(times: dict[str, dict[int, tuple[float, float]]], defaults: dict[str, tuple[int, ...]],
            margin: float = MARGIN) -> dict[str, tuple[int, ...]]:
-    """Per format and row count the compiled default, or the other schedule where it is faster by more than
-    `margin` (a tie on a noisy machine keeps the default)."""
+    """The compiled defaults, with each timed entry (times[format][index]: seconds with a sweep per half,
+    with one sweep) set to the other schedule where that is faster by more than `margin` (a tie on a noisy
+    machine keeps the default)."""
     out = {}
     for fmt, one in defaults.items():
-        out[fmt] = tuple(1 - d if times[fmt][m][1 - d] < (1 - margin) * times[fmt][m][d] else d
-                         for m, d in enumerate(one))
+        chosen = list(one)
+        for i, t in times.get(fmt, {}).items():
+            d = one[i]
+            chosen[i] = 1 - d if t[1 - d] < (1 - margin) * t[d] else d
+        out[fmt] = tuple(chosen)
     return out
