@@ -114,6 +114,7 @@ def timed_passes(monkeypatch, tmp_path):
     def timer(model, top, context, vocab, kv_dtype):
         return lambda n: rule["seconds"](kernels._load().schedule(), n)
     monkeypatch.setattr(calibrate, "_pass_timer", timer)
+    monkeypatch.setattr(calibrate, "swept_bytes", lambda model: calibrate.TUNE_MIN_BYTES)   # as a 1.5B's
     with kernels.using(lib):
         yield lib, rule
     for fmt, one in before.items():
@@ -166,3 +167,22 @@ def test_a_damaged_or_refused_kept_schedule_is_timed_again(timed_passes, monkeyp
     assert sweeps.kept(lib, kernels._cpu_key()) == lib.defaults
     monkeypatch.setenv("VERISPEC_KERNEL_SWEEPS", "default")                # nothing timed, nothing applied
     assert kernels.untuned_sweeps() is None and sweeps.kept(lib, kernels._cpu_key()) is None
+
+
+def test_a_model_too_small_to_stream_its_weights_chooses_nothing(monkeypatch, tmp_path):
+    """A test's tiny model, or a target in int8, fits in cache or has no int4/int6 weights: its timings
+    would decide for the wrong regime, so nothing is timed and nothing is kept."""
+    from conftest import tiny_model
+
+    lib = swept_variant("avx2")
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("VERISPEC_KERNEL_SWEEPS", raising=False)
+    monkeypatch.setattr(calibrate, "_pass_timer", lambda *a: pytest.fail("a small model must not be timed"))
+    model = tiny_model()
+    layer = quant.Int4Linear.from_fields(q4_fields(64, 256))
+    model.model.layers[0].mlp.down_proj = layer
+    assert calibrate.swept_bytes(model) == sum(t.numel() * t.element_size() for t in layer.tensors()) > 0
+    with kernels.using(lib):
+        assert kernels.untuned_sweeps() is not None             # nothing kept here: it would be timed …
+        assert calibrate.tune_sweeps(model) is None              # … were the model big enough
+    assert not (tmp_path / "kernels" / "sweeps.json").exists()

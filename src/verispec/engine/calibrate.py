@@ -65,6 +65,17 @@ def _pass_timer(model: Transformer, top: int, context: int, vocab: torch.Tensor 
 # Passes whose row groups after the first have r rows (groups of up to 6, near-equal, the larger first;
 # a pass of 7 or more rows never has a later group of 1 or 2): where the later groups' schedules are timed.
 LATER_GROUP_WIDTHS = {3: 7, 4: 8, 5: 10, 6: 12}
+# A model with fewer bytes of int4/int6 weights than this may sit in a large cache, where the other schedule
+# wins: it chooses nothing (the embedded 0.5B draft in int4-all has ~220 MB, the 1.5B target ~1 GB).
+TUNE_MIN_BYTES = 128 << 20
+
+
+def swept_bytes(model) -> int:
+    """Bytes of the model's weights in the int4 and int6 block layouts (the kernels a schedule steers)."""
+    from verispec.models.quant import BlockLinear
+
+    return sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, BlockLinear)
+               for t in m.tensors())
 
 
 def tune_sweeps(model: Transformer, rounds: int = 4, on_round=None,
@@ -76,13 +87,14 @@ def tune_sweeps(model: Transformer, rounds: int = 4, on_round=None,
     rows time the first group's, passes of 7, 8, 10 and 12 rows the later groups'. Every round times each
     such width with the compiled defaults and with each format's entry flipped, one after the other in an
     order that turns from round to round; a flip is kept where its median time over the defaults' of the
-    same round is below 1 − sweeps.MARGIN. About ten seconds on an AVX2 machine, once per machine, kernel
-    build and thread count."""
+    same round is below 1 − sweeps.MARGIN. About 15 s for the 1.5B on an AVX2 machine, once per machine,
+    kernel build and thread count. A model with less than TUNE_MIN_BYTES in those formats (a test's tiny
+    model, a target in int8) decides nothing and keeps nothing."""
     from verispec import kernels
     from verispec.kernels import sweeps
 
     defaults = kernels.untuned_sweeps()
-    if defaults is None:
+    if defaults is None or swept_bytes(model) < TUNE_MIN_BYTES:
         return None
     rows = kernels.SWEPT_ROWS
     entries = {m: m - 1 for m in range(1, rows + 1)}                  # width -> schedule index it decides
@@ -93,7 +105,7 @@ def tune_sweeps(model: Transformer, rounds: int = 4, on_round=None,
     try:
         for r in range(rounds + 1):                  # round 0 warms up
             for w, i in entries.items():
-                for trial in trials[r % 3:] + trials[:r % 3]:
+                for trial in trials[r % len(trials):] + trials[:r % len(trials)]:
                     kernels.set_sweeps({fmt: tuple(1 - d if fmt == trial and j == i else d for j, d in enumerate(one))
                                         for fmt, one in defaults.items()})
                     t = timed(w)
