@@ -34,7 +34,7 @@
  */
 #include "kernels.h"
 
-#define MG4 6           /* activation rows per group */
+#define MG4 SWEPT_ROWS  /* activation rows per group (each row count has its sweep schedule: kernels.h) */
 
 /* x (M, K) float32 -> q8 (M, K) int8 in Q8_ORDER within each 8, s8 and xsum (M, K/32). One group of 32
    in four 8-lane vectors (AVX2 in every variant, so every variant gives the same bits): amax exact in
@@ -183,7 +183,7 @@ static inline __attribute__((always_inline)) __m256 q4_isc(__m256i s, __m256i sc
             __m256 acc[NH][MM], sa[NH][MM], sm[NH][MM];   /* sa, sm: the super-block's A and B */ \
             for (int h = 0; h < NH; h++)                                                          \
                 for (int m = 0; m < MM; m++) acc[h][m] = _mm256_setzero_ps();                     \
-            for (long g = 0; g < G; g++) {                                                        \
+            for (long g = 0; g < G - SWEEP_SLIP(MM, NHV); g++) {                                  \
                 const uint32_t *wb = wp + (b * G + g) * 64;                                      \
                 if (g % 8 == 0)                                                                   \
                     for (int h = 0; h < NH; h++)                                                  \
@@ -246,37 +246,13 @@ static const q4_fn Q4[MG4 + 1] = {0, q4_1, q4_2, q4_3, q4_4, q4_5, q4_6};
 /* A 16-column block is one vector: no schedule to choose. */
 int verispec_int4_sweeps(int *one, int set) { (void)one, (void)set; return -1; }
 #else
-KERNEL4(1, 1) KERNEL4(2, 1) KERNEL4(3, 1) KERNEL4(4, 1) KERNEL4(5, 1) KERNEL4(6, 1)
-KERNEL4(1, 2) KERNEL4(2, 2) KERNEL4(3, 2) KERNEL4(4, 2) KERNEL4(5, 2) KERNEL4(6, 2)
-static const q4_fn Q4[2][MG4 + 1] = {{0, q4_1_1, q4_2_1, q4_3_1, q4_4_1, q4_5_1, q4_6_1},
-                                     {0, q4_1_2, q4_2_2, q4_3_2, q4_4_2, q4_5_2, q4_6_2}};
-/* Per row count: 1 = both halves in one sweep; [0] for a pass's first group of rows (the block's weights
-   come from memory), [1] for the groups after it (from cache). Set before kernels run, never while they do. */
-static int q4_one_sweep[2][MG4 + 1] = {{0, 1 <= NH4, 2 <= NH4, 3 <= NH4, 4 <= NH4, 5 <= NH4, 6 <= NH4},
-                                        {0, 1 <= NH4, 2 <= NH4, 3 <= NH4, 4 <= NH4, 5 <= NH4, 6 <= NH4}};
-#ifdef VERISPEC_BROKEN_SWEEP    /* tests only: the one-sweep kernel of 3 rows skips a block's last group */
-#define Q4_FOR(mm, later) ((mm) == 3 && q4_one_sweep[later][3] ? q4_3_broken : Q4[q4_one_sweep[later][mm]][mm])
-static void q4_3_broken(const int8_t *q8, long K, const float *s8, const float *xs, const uint32_t *wp,
-                        const uint8_t *gs, const uint16_t *ss, float *y, long N, long G, long b) {
-    q4_3_2(q8, K, s8, xs, wp, gs, ss, y, N, G > 1 ? G - 1 : G, b);
-}
-#else
+SWEPT_KERNELS(KERNEL4)
+static const q4_fn Q4[2][MG4 + 1] = SWEPT_TABLE(q4);
+static sweep_table q4_one_sweep = SWEEP_DEFAULTS(NH4);     /* see kernels.h */
 #define Q4_FOR(mm, later) Q4[q4_one_sweep[later][mm]][mm]
-#endif
 
-/* one[0 … 2·MG4 − 1]: each row count's schedule (1 = one sweep, 0 = a sweep per half), rows 1 … MG4 of a
-   pass's first group, then of the later ones. With set, takes them (each 0 or 1, else returns -2 and
-   changes nothing); then writes the schedules in force into one. Returns 0, or -1 where there is no
-   schedule to choose (the AVX-512 kernels). */
-int verispec_int4_sweeps(int *one, int set) {
-    if (set) {
-        for (int i = 0; i < 2 * MG4; i++)
-            if (one[i] != 0 && one[i] != 1) return -2;
-        for (int i = 0; i < 2 * MG4; i++) q4_one_sweep[i / MG4][1 + i % MG4] = one[i];
-    }
-    for (int i = 0; i < 2 * MG4; i++) one[i] = q4_one_sweep[i / MG4][1 + i % MG4];
-    return 0;
-}
+/* The schedules in force, or new ones (sweeps_io); -1 where there is none to choose (the AVX-512 kernels). */
+int verispec_int4_sweeps(int *one, int set) { return sweeps_io(q4_one_sweep, one, set); }
 #endif
 
 void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint8_t *gs,

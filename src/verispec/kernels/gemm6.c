@@ -33,7 +33,7 @@
  */
 #include "kernels.h"
 
-#define MG6 6           /* activation rows per group */
+#define MG6 SWEPT_ROWS  /* activation rows per group, as MG4 */
 
 /* q8 (M, K) int8 -> qs: each half-group's sum Q (Q8_ORDER permutes within each 8 only). AVX-512 and
    AVX-VNNI: (M, K/16) int32, one per half-group. AVX2: (M, K/32) int32, a group's two sums negated as
@@ -190,7 +190,7 @@ static inline __attribute__((always_inline)) __m256 j6_float(j6 s, const sc6 *sc
             for (int h = 0; h < NH; h++)                                                          \
                 for (int m = 0; m < MM; m++) acc[h][m] = _mm256_setzero_ps();                     \
             __m256 dv[NH];               /* the super-block's d, converted once */               \
-            for (long g = 0; g < G; g++) {                                                        \
+            for (long g = 0; g < G - SWEEP_SLIP(MM, NHV); g++) {                                 \
                 const uint32_t *wb = wp + (b * G + g) * W6;                                      \
                 if (g % 8 == 0)                                                                   \
                     for (int h = 0; h < NH; h++)                                                  \
@@ -237,34 +237,13 @@ static const q6_fn Q6[MG6 + 1] = {0, q6_1, q6_2, q6_3, q6_4, q6_5, q6_6};
 /* A 16-column block is one vector: no schedule to choose. */
 int verispec_int6_sweeps(int *one, int set) { (void)one, (void)set; return -1; }
 #else
-KERNEL6(1, 1) KERNEL6(2, 1) KERNEL6(3, 1) KERNEL6(4, 1) KERNEL6(5, 1) KERNEL6(6, 1)
-KERNEL6(1, 2) KERNEL6(2, 2) KERNEL6(3, 2) KERNEL6(4, 2) KERNEL6(5, 2) KERNEL6(6, 2)
-static const q6_fn Q6[2][MG6 + 1] = {{0, q6_1_1, q6_2_1, q6_3_1, q6_4_1, q6_5_1, q6_6_1},
-                                     {0, q6_1_2, q6_2_2, q6_3_2, q6_4_2, q6_5_2, q6_6_2}};
-/* Per row count: 1 = both halves in one sweep; [0] for a pass's first group of rows (the block's weights
-   come from memory), [1] for the groups after it (from cache). Set before kernels run, never while they do. */
-static int q6_one_sweep[2][MG6 + 1] = {{0, 1 <= NH6, 2 <= NH6, 3 <= NH6, 4 <= NH6, 5 <= NH6, 6 <= NH6},
-                                        {0, 1 <= NH6, 2 <= NH6, 3 <= NH6, 4 <= NH6, 5 <= NH6, 6 <= NH6}};
-#ifdef VERISPEC_BROKEN_SWEEP    /* tests only: the one-sweep kernel of 3 rows skips a block's last group */
-#define Q6_FOR(mm, later) ((mm) == 3 && q6_one_sweep[later][3] ? q6_3_broken : Q6[q6_one_sweep[later][mm]][mm])
-static void q6_3_broken(const int8_t *q8, long K, const float *s8, const int32_t *qs, const uint32_t *wp,
-                        const int8_t *sc, const uint16_t *ds, float *y, long N, long G, long b) {
-    q6_3_2(q8, K, s8, qs, wp, sc, ds, y, N, G > 1 ? G - 1 : G, b);
-}
-#else
+SWEPT_KERNELS(KERNEL6)
+static const q6_fn Q6[2][MG6 + 1] = SWEPT_TABLE(q6);
+static sweep_table q6_one_sweep = SWEEP_DEFAULTS(NH6);     /* see kernels.h */
 #define Q6_FOR(mm, later) Q6[q6_one_sweep[later][mm]][mm]
-#endif
 
 /* As verispec_int4_sweeps, for the int6 kernels. */
-int verispec_int6_sweeps(int *one, int set) {
-    if (set) {
-        for (int i = 0; i < 2 * MG6; i++)
-            if (one[i] != 0 && one[i] != 1) return -2;
-        for (int i = 0; i < 2 * MG6; i++) q6_one_sweep[i / MG6][1 + i % MG6] = one[i];
-    }
-    for (int i = 0; i < 2 * MG6; i++) one[i] = q6_one_sweep[i / MG6][1 + i % MG6];
-    return 0;
-}
+int verispec_int6_sweeps(int *one, int set) { return sweeps_io(q6_one_sweep, one, set); }
 #endif
 
 void vs_int6_gemm_ws(const int8_t *q8, const float *s8, int32_t *qs, const uint32_t *wp, const int8_t *sc,

@@ -98,6 +98,39 @@ void vs_quantize_groups8_ws(const float *x, long M, long K, int8_t *q8, float *s
 #ifndef PF4
 #define PF4 128
 #endif
+/* The int4 and int6 kernels of the AVX2-class variants: per row count 1 … SWEPT_ROWS, 1 = a 16-column block's
+   two 8-column halves in one sweep, 0 = one half per sweep (the same bits); row [0] for a pass's first group
+   of rows (the block's weights from memory), [1] for the groups after it (from cache). Written only between
+   kernel calls (kernels/sweeps.py). */
+#define SWEPT_ROWS 6
+typedef int sweep_table[2][SWEPT_ROWS + 1];
+#define SWEEP_DEFAULTS(NH) {{0, 1 <= (NH), 2 <= (NH), 3 <= (NH), 4 <= (NH), 5 <= (NH), 6 <= (NH)}, \
+                            {0, 1 <= (NH), 2 <= (NH), 3 <= (NH), 4 <= (NH), 5 <= (NH), 6 <= (NH)}}
+/* The twelve kernels of a format (KERNEL(rows, halves per sweep)): P_1_1 … P_6_1, P_1_2 … P_6_2. */
+#define SWEPT_KERNELS(KERNEL) KERNEL(1, 1) KERNEL(2, 1) KERNEL(3, 1) KERNEL(4, 1) KERNEL(5, 1) KERNEL(6, 1) \
+                              KERNEL(1, 2) KERNEL(2, 2) KERNEL(3, 2) KERNEL(4, 2) KERNEL(5, 2) KERNEL(6, 2)
+#define SWEPT_TABLE(P) {{0, P##_1_1, P##_2_1, P##_3_1, P##_4_1, P##_5_1, P##_6_1}, \
+                        {0, P##_1_2, P##_2_2, P##_3_2, P##_4_2, P##_5_2, P##_6_2}}
+/* Groups a kernel of MM rows with NH halves per sweep leaves out: none, except in a build with
+   VERISPEC_BROKEN_SWEEP (tests only: the one-sweep kernels of 3 rows skip a block's last group, a slip
+   the comparison of the two schedules must catch). */
+#ifdef VERISPEC_BROKEN_SWEEP
+#define SWEEP_SLIP(MM, NH) ((MM) == 3 && (NH) == 2)
+#else
+#define SWEEP_SLIP(MM, NH) 0
+#endif
+/* one[0 … 2·SWEPT_ROWS − 1]: rows 1 … SWEPT_ROWS of the first group, then of the later ones. With set, the
+   table takes them (each 0 or 1, else -2 and nothing changes); then one gets the table's values. 0 on
+   success. */
+static inline int sweeps_io(sweep_table t, int *one, int set) {
+    if (set) {
+        for (int i = 0; i < 2 * SWEPT_ROWS; i++)
+            if (one[i] != 0 && one[i] != 1) return -2;
+        for (int i = 0; i < 2 * SWEPT_ROWS; i++) t[i / SWEPT_ROWS][1 + i % SWEPT_ROWS] = one[i];
+    }
+    for (int i = 0; i < 2 * SWEPT_ROWS; i++) one[i] = t[i / SWEPT_ROWS][1 + i % SWEPT_ROWS];
+    return 0;
+}
 void vs_int4_gemm_ws(const int8_t *q8, const float *s8, const float *xs, const uint32_t *wp, const uint8_t *gs,
                      const uint16_t *ss, float *y, long M, long N, long K);
 /* The same matmul on AMX tiles (amx.c), the same bits: returns 1 when it ran (the amx variant, the tile
