@@ -163,8 +163,11 @@ def test_a_damaged_or_refused_kept_schedule_is_timed_again(timed_passes, monkeyp
         path.write_text(damaged)
         assert sweeps.kept(lib, kernels._cpu_key()) is None
         assert kernels.untuned_sweeps() == lib.defaults
+    path.write_text(json.dumps({key.replace(lib.build, "0ldbuild"): {"int4": [0] * 12},   # a rebuilt kernel's
+                                "other|entry": {"int4": [1] * 12}}))                  # is dropped, others stay
     assert calibrate.tune_sweeps(model=None, rounds=1) == lib.defaults     # equal times: the defaults stay
     assert sweeps.kept(lib, kernels._cpu_key()) == lib.defaults
+    assert set(json.loads(path.read_text())) == {key, "other|entry"}
     monkeypatch.setenv("VERISPEC_KERNEL_SWEEPS", "default")                # nothing timed, nothing applied
     assert kernels.untuned_sweeps() is None and sweeps.kept(lib, kernels._cpu_key()) is None
 

@@ -83,12 +83,16 @@ def kept(native, cpu: str) -> dict[str, tuple[int, ...]] | None:
 
 
 def keep(native, cpu: str, schedule: dict[str, tuple[int, ...]]) -> None:
-    """Put `schedule` in force in `native` and keep it for this build, CPU and thread count (other entries
-    stay; a read-only cache keeps nothing, and the next process times again)."""
+    """Put `schedule` in force in `native` and keep it for this build, CPU and thread count, in place of
+    any kept for another build of the variant on this CPU (other entries stay; a read-only cache keeps
+    nothing, and the next process times again)."""
     for fmt, one in schedule.items():
         native.set_schedule(fmt, one)
-    stored = _stored()
-    stored[_key(native, cpu)] = {fmt: list(one) for fmt, one in schedule.items()}
+    key = _key(native, cpu)
+    variant, _, rest = key.split("|", 2)
+    stored = {k: v for k, v in _stored().items()            # another build of this variant here: stale
+              if not (k.startswith(f"{variant}|") and k.split("|", 2)[-1] == rest)}
+    stored[key] = {fmt: list(one) for fmt, one in schedule.items()}
     write_json(_path(), stored)
 
 
