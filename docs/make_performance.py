@@ -395,8 +395,8 @@ def variants_section(result: dict | None) -> list[str]:
     swept = {v: d for v, d in result.get("sweeps", {}).items() if d}
     if swept:
         out += ["Sweep schedules of the variants whose 16-column blocks are two 8-lane vectors, as this machine's "
-                "whole passes chose them (kernels/sweeps.py): " + "; ".join(f"`{v}` {d}" for v, d in swept.items())
-                + ".", ""]
+                "whole passes chose them (kernels/sweeps.py) and, in a column marked \"compiled sweeps\", as built: "
+                + "; ".join(f"`{v}` {d}" for v, d in swept.items()) + ".", ""]
     return out
 
 

@@ -7,7 +7,9 @@ all of them alike.
 
 What a variant's wider vector instructions buy in a whole pass (attention, norms and the rest included), where
 `docs/measure_kernel.py` times the matmuls alone: the best variant is the one verispec runs; the others are what
-a CPU without its extensions would run, on this core and memory.
+a CPU without its extensions would run, on this core and memory. Each AVX2-class variant runs the sweep schedule
+this machine chose for it (timed first if none is kept: kernels/sweeps.py); where that differs from the compiled
+one, a column "<variant>, compiled sweeps" times the compiled schedule beside it.
 """
 
 from __future__ import annotations
@@ -48,25 +50,35 @@ def main() -> None:
         raise SystemExit(f"no native kernel variant runs here: {kernels.kernel_status()}")
     model = load_model(DEFAULT_TARGET, "auto", "cpu").model
     kv = kv_auto_dtype(model)                         # the cache format a pass runs with by default
-    times = {name: {n: [] for n in widths} for name in variants}
-    order = list(variants)
-    for name in order:                                # each variant's sweep schedules, as verispec runs it
-        with kernels.using(variants[name]):
+    runs = {}                                         # column -> (kernels, sweep schedule or None)
+    for name, native in variants.items():             # each variant's sweep schedules, as verispec runs it
+        with kernels.using(native):
             tune_sweeps(model, kv_dtype=kv)
+        runs[name] = (native, native.schedule())
+        if native.defaults is not None and native.schedule() != native.defaults:
+            runs[f"{name}, compiled sweeps"] = (native, native.defaults)     # what the tuning changed
+    times = {label: {n: [] for n in widths} for label in runs}
+    order = list(runs)
     for r in range(args.rounds + 1):                  # round 0 warms every variant up
-        for name in order[r % len(order):] + order[:r % len(order)]:
-            with kernels.using(variants[name]):
+        for label in order[r % len(order):] + order[:r % len(order)]:
+            native, schedule = runs[label]
+            for fmt, one in (schedule or {}).items():
+                native.set_schedule(fmt, one)
+            with kernels.using(native):
                 costs = pass_costs(model, widths, repeats=1, kv_dtype=kv)
             if r:
                 for n in widths:
-                    times[name][n].append(costs[n])
+                    times[label][n].append(costs[n])
         print(f"round {r}/{args.rounds}", file=sys.stderr, flush=True)
+    for name, native in variants.items():             # each variant back on the schedule verispec runs
+        for fmt, one in (runs[name][1] or {}).items():
+            native.set_schedule(fmt, one)
     result = {"command": " ".join(["python docs/measure_variants.py", *sys.argv[1:]]), "threads": torch.get_num_threads(),
               **kernels.machine(), "model": DEFAULT_TARGET, "kv_dtype": str(kv).replace("torch.", ""),
               "rounds": args.rounds,
-              "sweeps": {name: kernels.sweeps.describe(native.schedule()) for name, native in variants.items()},
-              "variants": {name: {str(n): statistics.median(v) for n, v in by.items()} for name, by in times.items()}}
-    print(f"{'n':>3} " + " ".join(f"{name + ' ms (× n = 1)':>26}" for name in variants))
+              "sweeps": {label: kernels.sweeps.describe(schedule) for label, (_, schedule) in runs.items()},
+              "variants": {label: {str(n): statistics.median(v) for n, v in by.items()} for label, by in times.items()}}
+    print(f"{'n':>3} " + " ".join(f"{label + ' ms (× n = 1)':>26}" for label in runs))
     for n in widths:
         print(f"{n:>3} " + " ".join(f"{t[str(n)] * 1e3:>14.1f} ({t[str(n)] / t['1']:.2f})".rjust(26)
                                      for t in result["variants"].values()))
