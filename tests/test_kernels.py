@@ -691,7 +691,7 @@ def test_a_variant_that_cannot_load_gives_way_to_the_next(monkeypatch):
         if name == "amx":
             raise RuntimeError("the operating system refused the AMX tile state (Operation not permitted)")
         native = kernels.NativeKernels.__new__(kernels.NativeKernels)
-        native.variant = name
+        native.variant, native.defaults = name, None
         return native
 
     monkeypatch.setattr(kernels, "load_variant", load)

@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from verispec.bench.costs import predicted_speedup
-    from verispec.engine.calibrate import alternated_steps, pass_and_matmul_costs, pass_costs, tune_sweeps
+    from verispec.engine.calibrate import (alternated_steps, pass_and_matmul_costs, pass_costs, rounds_line,
+                                          tune_sweeps)
     from verispec.bench.run import machine_line
     from verispec.kernels import machine
     from verispec.loaders.builtin import DEFAULT_DRAFT
@@ -48,9 +49,8 @@ def run(args) -> int:
     from verispec.models.kv_cache import KV_DTYPES
 
     kv = kv_auto_dtype(target.model) if args.kv_dtype == "auto" else KV_DTYPES[args.kv_dtype]
-    tune_sweeps(target.model, on_round=lambda r, total: print(f"\rtiming the kernels' sweep schedules (once per "
-                                                             f"machine): {r}/{total}", end="\n" if r == total else "",
-                                                             file=sys.stderr, flush=True), kv_dtype=kv)
+    tune_sweeps(target.model, on_round=rounds_line("timing the kernels' sweep schedules (once per machine)"),
+                kv_dtype=kv)
     c_p = pass_costs(target.model, list(range(1, args.max_n + 1)), args.context, args.repeats,
                      on_round=lambda r, total: print(f"\rmeasuring c_p(1 … {args.max_n}): round {r}/{total}", end="",
                                                      file=sys.stderr, flush=True), kv_dtype=kv)

@@ -12,15 +12,23 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 
 import torch
 
 from verispec.cache import cache_dir, write_json
 from verispec.models import KVCache, Transformer
+from verispec.models.quant import BlockLinear
 
 # Widths measured once (sparse; the policy interpolates between them): K + 1 for K up to 64.
 CALIBRATION_WIDTHS = (2, 3, 4, 5, 6, 8, 12, 17, 24, 33, 48, 65)
+
+
+def rounds_line(what: str):
+    """An on_round callback that keeps one stderr line, "\r<what>: r/total", ending it at the last round."""
+    return lambda r, total: print(f"\r{what}: {r}/{total}", end="\n" if r == total else "", file=sys.stderr,
+                                  flush=True)
 
 
 def pass_costs(model: Transformer, widths: list[int], context: int = 128, repeats: int = 5,
@@ -72,8 +80,6 @@ TUNE_MIN_BYTES = 128 << 20
 
 def swept_bytes(model) -> int:
     """Bytes of the model's weights in the int4 and int6 block layouts (the kernels a schedule steers)."""
-    from verispec.models.quant import BlockLinear
-
     return sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, BlockLinear)
                for t in m.tensors())
 

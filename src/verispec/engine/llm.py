@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
@@ -176,20 +175,17 @@ class LLM:
     def _tune_sweeps(target: LoadedModel, kv_dtype, progress: bool) -> None:
         """This machine's sweep schedules for the int4/int6 kernels in force (timed once on the target's
         passes, then read from the cache; nothing where the kernels have none to choose)."""
-        from verispec.engine.calibrate import tune_sweeps
+        from verispec.engine.calibrate import rounds_line, tune_sweeps
 
-        say = (lambda r, total: print(f"\rtiming the kernels' sweep schedules (once per machine): {r}/{total}",
-                                      end="\n" if r == total else "", file=sys.stderr, flush=True)) if progress else None
+        say = rounds_line("timing the kernels' sweep schedules (once per machine)") if progress else None
         tune_sweeps(target.model, on_round=say, kv_dtype=kv_dtype)
 
     @staticmethod
     def _width_ratios(target: LoadedModel, progress: bool) -> dict[int, float]:
         """This machine's c_p(n) / c_p(1) for the target (measured once, then read from the cache)."""
-        from verispec.engine.calibrate import width_ratios
+        from verispec.engine.calibrate import rounds_line, width_ratios
 
-        say = (lambda r, total: print(f"\rmeasuring pass widths for the K policy (once per machine): "
-                                      f"{r}/{total}", end="\n" if r == total else "", file=sys.stderr,
-                                      flush=True)) if progress else None
+        say = rounds_line("measuring pass widths for the K policy (once per machine)") if progress else None
         return width_ratios(target.model, _format_key(target), on_round=say)
 
     # -- proposers ------------------------------------------------------------------------

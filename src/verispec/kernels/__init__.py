@@ -167,7 +167,7 @@ def kernel_status() -> str:
 
 def _described(native: NativeKernels) -> str:
     """'avx2; one sweep (first row group / later ones): int4 rows 1-5 / 1-3, …', or the variant's name."""
-    schedule = sweeps.describe(native.schedule() if getattr(native, "defaults", None) else None)
+    schedule = sweeps.describe(native.schedule() if native.defaults is not None else None)
     return f"{native.variant}; {schedule}" if schedule else native.variant
 
 

@@ -56,7 +56,12 @@ def _path():
 
 
 def _key(native, cpu: str) -> str:
-    return "|".join([native.variant, native.build, cpu, f"{torch.get_num_threads()} threads"])
+    """variant|build|where: a kept schedule's key."""
+    return f"{native.variant}|{native.build}|{_where(cpu)}"
+
+
+def _where(cpu: str) -> str:
+    return f"{cpu}|{torch.get_num_threads()} threads"
 
 
 def _stored() -> dict:
@@ -88,11 +93,9 @@ def keep(native, cpu: str, schedule: dict[str, tuple[int, ...]]) -> None:
     nothing, and the next process times again)."""
     for fmt, one in schedule.items():
         native.set_schedule(fmt, one)
-    key = _key(native, cpu)
-    variant, _, rest = key.split("|", 2)
     stored = {k: v for k, v in _stored().items()            # another build of this variant here: stale
-              if not (k.startswith(f"{variant}|") and k.split("|", 2)[-1] == rest)}
-    stored[key] = {fmt: list(one) for fmt, one in schedule.items()}
+              if not (k.startswith(f"{native.variant}|") and k.endswith(f"|{_where(cpu)}"))}
+    stored[_key(native, cpu)] = {fmt: list(one) for fmt, one in schedule.items()}
     write_json(_path(), stored)
 
 
