@@ -11,9 +11,10 @@ import torch
 
 from verispec import kernels
 from verispec.engine import calibrate
+from verispec.errors import InvalidSetting
 from verispec.kernels import sweeps
 from verispec.models import quant
-from test_kernels import q4_fields, q6_fields
+from test_kernels import choose_afresh, q4_fields, q6_fields
 
 SWEPT_VARIANTS = ("avxvnni", "avx2")      # the variants whose 16-column blocks are two 8-lane vectors
 
@@ -170,6 +171,23 @@ def test_a_damaged_or_refused_kept_schedule_is_timed_again(timed_passes, monkeyp
     assert set(json.loads(path.read_text())) == {key, "other|entry"}
     monkeypatch.setenv("VERISPEC_KERNEL_SWEEPS", "default")                # nothing timed, nothing applied
     assert kernels.untuned_sweeps() is None and sweeps.kept(lib, kernels._cpu_key()) is None
+
+
+@pytest.mark.parametrize("value", ["defaults", "off", "1"])
+def test_a_misspelt_setting_is_refused(value, monkeypatch, tmp_path):
+    """VERISPEC_KERNEL_SWEEPS takes 'default' or nothing: another value stops the kernels from loading, on
+    every machine, with an error naming it (the CLI prints it), instead of timing and keeping what it
+    meant to avoid."""
+    lib = swept_variant("avx2")
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    choose_afresh(monkeypatch)
+    monkeypatch.setenv("VERISPEC_KERNEL_SWEEPS", value)
+    for load in (kernels.kernel_status, lambda: sweeps.kept(lib, kernels._cpu_key())):
+        with pytest.raises(InvalidSetting, match=f"VERISPEC_KERNEL_SWEEPS='{value}' is not a setting"):
+            load()
+    monkeypatch.setenv("VERISPEC_KERNEL_SWEEPS", " Default ")
+    assert sweeps.fixed() and sweeps.kept(lib, kernels._cpu_key()) is None
+    assert kernels.kernel_status().startswith("active")
 
 
 def test_a_model_too_small_to_stream_its_weights_chooses_nothing(monkeypatch, tmp_path):

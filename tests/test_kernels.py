@@ -684,6 +684,14 @@ def test_a_misbuilt_amx_tile_is_caught(kind, slip):
     assert torch.equal(gemm(broken, x[:5].contiguous()), expected[:5])  # narrow passes never touch the tiles
 
 
+def choose_afresh(monkeypatch) -> None:
+    """Let kernels choose its variant again on every call for the rest of a test (its choice is cached per
+    process), leaving the process's choice as it was afterwards."""
+    monkeypatch.setattr(kernels, "_load_best", kernels._load_best.__wrapped__)
+    monkeypatch.setattr(kernels, "_status", kernels._status)
+    monkeypatch.setattr(kernels, "_best", kernels._best)
+
+
 def test_a_variant_that_cannot_load_gives_way_to_the_next(monkeypatch):
     """A variant whose build or load fails (the amx one when Linux refuses the tile state) is skipped for the
     next one the CPU supports, and the status says why; a variant forced by VERISPEC_KERNEL_ISA is not."""
@@ -698,9 +706,7 @@ def test_a_variant_that_cannot_load_gives_way_to_the_next(monkeypatch):
     monkeypatch.setattr(kernels, "supported_variants", lambda: ["amx", "avx2"])
     monkeypatch.delenv("VERISPEC_KERNELS", raising=False)
     monkeypatch.delenv("VERISPEC_KERNEL_ISA", raising=False)
-    monkeypatch.setattr(kernels, "_load_best", kernels._load_best.__wrapped__)     # uncached, for this test
-    monkeypatch.setattr(kernels, "_status", kernels._status)
-    monkeypatch.setattr(kernels, "_best", kernels._best)
+    choose_afresh(monkeypatch)
     assert kernels._load_best() is not None
     assert kernels.kernel_status() == ("active (avx2); skipped amx: the operating system refused the AMX tile "
                                        "state (Operation not permitted)")
@@ -708,6 +714,26 @@ def test_a_variant_that_cannot_load_gives_way_to_the_next(monkeypatch):
     assert kernels._load_best() is None
     assert kernels.kernel_status() == ("unavailable: amx: the operating system refused the AMX tile state "
                                        "(Operation not permitted)")
+
+
+@pytest.mark.parametrize("value", ["avx512", "AVX-2", "native"])
+def test_a_kernel_build_that_does_not_exist_is_refused_not_run_slowly(value, monkeypatch):
+    """VERISPEC_KERNEL_ISA names a variant (a lower one than the CPU's best, for a comparison) or nothing;
+    a name that is no variant used to leave the kernels unavailable and every pass on torch's slower
+    path. It is refused with the names to choose from; a variant the CPU lacks still falls back (its
+    status says why)."""
+    from verispec.errors import InvalidSetting
+
+    monkeypatch.delenv("VERISPEC_KERNELS", raising=False)
+    choose_afresh(monkeypatch)
+    monkeypatch.setenv("VERISPEC_KERNEL_ISA", value)
+    with pytest.raises(InvalidSetting, match=f"VERISPEC_KERNEL_ISA='{value.lower()}' names no kernel build; "
+                                             "choose one of amx, avx512bf16"):
+        kernels.kernel_status()
+    lacking = [v.name for v in kernels.VARIANTS if v.name not in kernels.supported_variants()]
+    if lacking:
+        monkeypatch.setenv("VERISPEC_KERNEL_ISA", lacking[0])
+        assert kernels.kernel_status().startswith(f"unavailable: {lacking[0]}: the CPU lacks")
 
 
 def test_results_files_name_the_cpu_core_a_virtual_machine_hides():

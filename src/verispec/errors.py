@@ -26,6 +26,10 @@ class ModelNotInstalled(VerispecError):
     """A built-in model's weight packages are missing or corrupt."""
 
 
+class InvalidSetting(VerispecError):
+    """An environment setting (VERISPEC_*) holds a value verispec does not take."""
+
+
 class InvalidRequest(VerispecError):
     """Bad sampling parameters or prompt. `param` names the offending field and `code` is a
     machine-readable reason (the server reports both in the OpenAI error shape)."""

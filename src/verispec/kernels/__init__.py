@@ -14,7 +14,8 @@ vectors with `vpdpwssd`), `avxvnni` (the next one plus AVX-VNNI, Intel's cores s
 AVX-512: the int4, int6 and int8 matmuls sum with `vpdpbusd` / `vpdpwssd` on 256-bit vectors) and `avx2`
 (AVX2 + FMA). At first use the best variant this CPU supports is
 built into `$VERISPEC_CACHE/kernels/` (about a second with gcc; the file name hashes the source, the
-compiler and the variant's flags) and opened with ctypes; `VERISPEC_KERNEL_ISA=avx2` picks a lower one.
+compiler and the variant's flags) and opened with ctypes; `VERISPEC_KERNEL_ISA=avx2` picks a lower one
+(a name that is no variant is refused: InvalidSetting).
 In the avx2 and avxvnni variants the int4 and int6 kernels of 1 … 6 rows each have two sweep schedules
 with the same bits; the engine times whole passes once per machine and keeps the faster (sweeps.py).
 The matmuls give the same bits in every variant (exact integer sums, the same fp32 steps in the same
@@ -42,6 +43,7 @@ from pathlib import Path
 import torch
 
 from verispec.cache import atomic_file, cache_dir
+from verispec.errors import InvalidSetting
 from verispec.kernels.abi import (CacheLayout, DecoderDims, LayerWeights, LinearWeights, PassEnds,  # noqa: F401
                                   bf16_block_length, pairs_from_keys, pairs_from_values)
 from verispec.kernels import packing, sweeps
@@ -344,10 +346,14 @@ def _load() -> NativeKernels | None:
 def _load_best() -> NativeKernels | None:
     global _status, _best
     _best = None
+    wanted = os.environ.get("VERISPEC_KERNEL_ISA", "").strip().lower()
+    if wanted and wanted not in (names := [v.name for v in VARIANTS]):      # a misspelt setting is refused,
+        raise InvalidSetting(f"VERISPEC_KERNEL_ISA={wanted!r} names no kernel build; "  # not run slowly
+                             f"choose one of {', '.join(names)}, or leave it unset for the best this CPU runs")
+    sweeps.fixed()                                         # refuses a VERISPEC_KERNEL_SWEEPS it does not take
     if os.environ.get("VERISPEC_KERNELS", "").lower() in ("0", "off", "false", "no"):
         _status = "off (VERISPEC_KERNELS)"
         return None
-    wanted = os.environ.get("VERISPEC_KERNEL_ISA", "").strip().lower()
     candidates = [wanted] if wanted else supported_variants()
     if not candidates:
         _status = "unavailable: the CPU lacks AVX2/FMA"

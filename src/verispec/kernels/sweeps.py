@@ -26,6 +26,7 @@ import os
 import torch
 
 from verispec.cache import cache_dir, write_json
+from verispec.errors import InvalidSetting
 
 MARGIN = 0.03           # a schedule replaces the compiled default only when this much faster
 
@@ -47,8 +48,14 @@ def describe(schedule: dict[str, tuple[int, ...]] | None) -> str:
 
 
 def fixed() -> bool:
-    """VERISPEC_KERNEL_SWEEPS=default: the compiled defaults, nothing timed or kept."""
-    return os.environ.get("VERISPEC_KERNEL_SWEEPS", "").strip().lower() == "default"
+    """VERISPEC_KERNEL_SWEEPS=default: the compiled defaults, nothing timed or kept. Unset or empty: the
+    kept schedule, or one timed once. Any other value is refused (InvalidSetting) rather than read as
+    unset, so that a misspelt setting does not time and keep what it meant to avoid."""
+    value = os.environ.get("VERISPEC_KERNEL_SWEEPS", "").strip().lower()
+    if value not in ("", "default"):
+        raise InvalidSetting(f"VERISPEC_KERNEL_SWEEPS={value!r} is not a setting: 'default' keeps the compiled "
+                         "sweep schedules; unset, they are timed once per machine and kept")
+    return value == "default"
 
 
 def _path():
@@ -76,8 +83,10 @@ def kept(native, cpu: str) -> dict[str, tuple[int, ...]] | None:
     """The schedule kept for this build, CPU and thread count, or None (none kept, a variant without a
     choice, VERISPEC_KERNEL_SWEEPS=default, or an entry that is not a schedule: timed again)."""
     defaults = native.defaults
+    if fixed() or defaults is None:
+        return None
     entry = _stored().get(_key(native, cpu))
-    if defaults is None or fixed() or not isinstance(entry, dict) or set(entry) != set(defaults):
+    if not isinstance(entry, dict) or set(entry) != set(defaults):
         return None
     out = {}
     for fmt, one in entry.items():
