@@ -12,7 +12,7 @@ import torch
 from verispec import kernels
 from verispec.engine import calibrate
 from verispec.errors import InvalidSetting
-from verispec.kernels import sweeps
+from verispec.kernels import cpu, sweeps
 from verispec.models import quant
 from test_kernels import choose_afresh, q4_fields, q6_fields
 
@@ -148,7 +148,7 @@ def test_the_engine_keeps_the_schedule_whole_passes_chose(timed_passes):
     assert calibrate.tune_sweeps(model=None) is None
     for fmt, one in defaults.items():                             # a new process: the compiled defaults, then the kept one
         lib.set_schedule(fmt, one)
-    sweeps.apply_kept(lib, kernels._cpu_key())
+    sweeps.apply_kept(lib, cpu.key())
     assert lib.schedule() == expected
 
 
@@ -157,20 +157,20 @@ def test_a_damaged_or_refused_kept_schedule_is_timed_again(timed_passes, monkeyp
     rule["seconds"] = lambda schedule, n: 0.05
     path = tmp_path / "kernels" / "sweeps.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    key = sweeps._key(lib, kernels._cpu_key())
+    key = sweeps._key(lib, cpu.key())
     for damaged in ("{not json", json.dumps([1, 2]), json.dumps({key: {"int4": [1] * 6}}),
                     json.dumps({key: {"int4": [1, 1, 1, 7, 0, 0], "int6": [1] * 6}}),
                     json.dumps({key: {"int4": [1] * 5, "int6": [1] * 6}})):
         path.write_text(damaged)
-        assert sweeps.kept(lib, kernels._cpu_key()) is None
+        assert sweeps.kept(lib, cpu.key()) is None
         assert kernels.untuned_sweeps() == lib.defaults
     path.write_text(json.dumps({key.replace(lib.build, "0ldbuild"): {"int4": [0] * 12},   # a rebuilt kernel's
                                 "other|entry": {"int4": [1] * 12}}))                  # is dropped, others stay
     assert calibrate.tune_sweeps(model=None, rounds=1) == lib.defaults     # equal times: the defaults stay
-    assert sweeps.kept(lib, kernels._cpu_key()) == lib.defaults
+    assert sweeps.kept(lib, cpu.key()) == lib.defaults
     assert set(json.loads(path.read_text())) == {key, "other|entry"}
     monkeypatch.setenv("VERISPEC_KERNEL_SWEEPS", "default")                # nothing timed, nothing applied
-    assert kernels.untuned_sweeps() is None and sweeps.kept(lib, kernels._cpu_key()) is None
+    assert kernels.untuned_sweeps() is None and sweeps.kept(lib, cpu.key()) is None
 
 
 @pytest.mark.parametrize("value", ["defaults", "off", "1"])
@@ -182,11 +182,11 @@ def test_a_misspelt_setting_is_refused(value, monkeypatch, tmp_path):
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
     choose_afresh(monkeypatch)
     monkeypatch.setenv("VERISPEC_KERNEL_SWEEPS", value)
-    for load in (kernels.kernel_status, lambda: sweeps.kept(lib, kernels._cpu_key())):
+    for load in (kernels.kernel_status, lambda: sweeps.kept(lib, cpu.key())):
         with pytest.raises(InvalidSetting, match=f"VERISPEC_KERNEL_SWEEPS='{value}' is not a setting"):
             load()
     monkeypatch.setenv("VERISPEC_KERNEL_SWEEPS", " Default ")
-    assert sweeps.fixed() and sweeps.kept(lib, kernels._cpu_key()) is None
+    assert sweeps.fixed() and sweeps.kept(lib, cpu.key()) is None
     assert kernels.kernel_status().startswith("active")
 
 

@@ -739,16 +739,18 @@ def test_a_kernel_build_that_does_not_exist_is_refused_not_run_slowly(value, mon
 def test_results_files_name_the_cpu_core_a_virtual_machine_hides():
     """'AMD EPYC' is all a virtual machine's model name may say; family and model tell a Zen/Zen+ (one 256-bit
     integer multiply every other cycle) from a Zen 2 or Zen 4."""
+    from verispec.kernels import cpu
+
     block = "processor\t: {n}\nvendor_id\t: {v}\ncpu family\t: {f}\nmodel\t\t: {m}\nmodel name\t: AMD EPYC\n"
     two = lambda v, f, m, f2=None: block.format(n=0, v=v, f=f, m=m) + "\n" + block.format(n=1, v=v, f=f2 or f, m=m)
-    assert kernels.cpu_core(two("AuthenticAMD", 23, 1, f2=25)) == "AMD family 23 model 1 (Zen/Zen+)"
-    assert kernels.cpu_core(two("AuthenticAMD", 23, 49)) == "AMD family 23 model 49 (Zen 2)"
-    assert kernels.cpu_core(two("AuthenticAMD", 25, 1)) == "AMD family 25 model 1 (Zen 3)"
-    assert kernels.cpu_core(two("AuthenticAMD", 25, 17)) == "AMD family 25 model 17 (Zen 4)"
-    assert kernels.cpu_core(two("GenuineIntel", 6, 143)) == "Intel family 6 model 143"
-    assert kernels.cpu_core("processor\t: 0\nmodel name\t: ARMv8\n") == ""
-    assert kernels.cpu_core(two("AuthenticAMD", "x", 1)) == ""
-    assert kernels.machine()["cpu_core"] == kernels.cpu_core(Path("/proc/cpuinfo").read_text())
+    assert cpu.cpu_core(two("AuthenticAMD", 23, 1, f2=25)) == "AMD family 23 model 1 (Zen/Zen+)"
+    assert cpu.cpu_core(two("AuthenticAMD", 23, 49)) == "AMD family 23 model 49 (Zen 2)"
+    assert cpu.cpu_core(two("AuthenticAMD", 25, 1)) == "AMD family 25 model 1 (Zen 3)"
+    assert cpu.cpu_core(two("AuthenticAMD", 25, 17)) == "AMD family 25 model 17 (Zen 4)"
+    assert cpu.cpu_core(two("GenuineIntel", 6, 143)) == "Intel family 6 model 143"
+    assert cpu.cpu_core("processor\t: 0\nmodel name\t: ARMv8\n") == ""
+    assert cpu.cpu_core(two("AuthenticAMD", "x", 1)) == ""
+    assert kernels.machine()["cpu_core"] == cpu.cpu_core(Path("/proc/cpuinfo").read_text())
 
 
 def test_the_best_supported_variant_is_active_and_named():
