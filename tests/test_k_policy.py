@@ -2,8 +2,10 @@
 
 import pytest
 
-from verispec.engine.k_policy import (EMA, PRIOR_WEIGHT, AcceptanceEstimate, CostModel, KPolicy, choose_k,
-                                      expected_tokens)
+from verispec.engine.acceptance_rates import PRIOR_WEIGHT, AcceptanceEstimate
+from verispec.engine.cost_model import CostModel
+from verispec.engine.ema import EMA
+from verispec.engine.k_policy import KPolicy, choose_k, expected_tokens
 
 
 def flat(c1: float, slope: float):
@@ -84,7 +86,7 @@ def test_a_processs_cold_first_passes_do_not_set_the_level():
     level an EMA from the first pass, c_p(1) read ~2x high for a dozen passes, inflating every price
     derived from it. Over its first WARM passes a calibrated bucket keeps the fastest; a slow spell
     afterwards still moves it."""
-    from verispec.engine.k_policy import WARM
+    from verispec.engine.cost_model import WARM
 
     c = CostModel()
     c.seed({2: 1.1, 3: 1.2})
@@ -101,7 +103,7 @@ def test_only_a_long_catch_up_sets_the_catch_up_rate():
     """A catch-up of a few tokens costs about one pass whatever its length; as a rate per token it
     priced a 125-token backlog at twice what it took (measured on the 0.5B: 5.4 ms a token from a
     5-token catch-up, 2.6 from 140). Catch-ups shorter than CATCHUP_MIN tokens leave the rate alone."""
-    from verispec.engine.k_policy import CATCHUP_MIN
+    from verispec.engine.cost_model import CATCHUP_MIN
 
     c = CostModel()
     c.record_verify(1, 0.04)
@@ -129,7 +131,7 @@ def test_one_stalled_proposer_call_does_not_price_cheap_heads_out():
     """A first heads round that took half a second (one-off set-up) moved c_q half-way to it and
     `auto` never drafted again; one timing now counts as at most SPIKE times the estimate, while a
     source that really is dear is priced at over half its cost within five rounds."""
-    from verispec.engine.k_policy import SPIKE
+    from verispec.engine.cost_model import SPIKE
 
     p = KPolicy("auto", k_max=4)
     p.limit("head", 4)
@@ -213,7 +215,7 @@ def test_policy_probes_after_many_zero_rounds_and_caps_at_remaining():
 def test_wide_batches_drive_k_to_zero_while_a_single_sequence_speculates():
     """Costs are kept per batch bucket: alone, a 5-token verify costs 1.3x a 1-token pass (speculate);
     in a batch of 8 the pass is compute-bound, c_p(n) ∝ n (plain decoding wins)."""
-    from verispec.engine.k_policy import batch_bucket
+    from verispec.engine.cost_model import batch_bucket
 
     p = KPolicy("auto", k_max=4)
     for n in range(1, 6):
@@ -382,7 +384,7 @@ def test_a_batch_does_not_start_drafting_when_catch_ups_cost_more_than_they_save
 def test_short_lookup_matches_start_at_plain_decoding_and_long_ones_speculate():
     """Priors by match length (ngram.py): at c_p(2) = 1.3 c_p(1) a 1-token match (≈ 20 % accepted)
     does not pay for the wider pass, a 3-token match (≈ 70 %) does."""
-    from verispec.engine.k_policy import prior_rate
+    from verispec.engine.acceptance_rates import prior_rate
 
     p = KPolicy("auto")
     p.costs.record_verify(1, 0.10)
@@ -706,7 +708,7 @@ def test_seeded_requests_are_priced_with_the_fixed_profile_of_the_kernel_kind():
     either way the schedule never reads the measured costs."""
     from types import SimpleNamespace
 
-    from verispec.engine.k_policy import STATIC_AVX2, STATIC_AVX512, STATIC_AVXVNNI, static_costs
+    from verispec.engine.cost_model import STATIC_AVX2, STATIC_AVX512, STATIC_AVXVNNI, static_costs
     from verispec.engine.params import SamplingParams
 
     assert static_costs("avx512bf16") is STATIC_AVX512 and static_costs("avx512vnni") is STATIC_AVX512
@@ -769,15 +771,15 @@ def test_inside_a_copy_one_miss_does_not_hold_k_down_for_good():
 
     pooled = run("ngram:16+")
     assert pooled[-1] >= 16, pooled
-    from verispec.engine import k_policy
+    from verispec.engine import acceptance_rates
 
     per_position = run("draft")                        # a per-position source, same evidence
     assert per_position[-1] <= 4 and per_position[-1] < pooled[-1], per_position
-    assert "ngram:16+" in k_policy.POOLED_SOURCES and "ngram:3" not in k_policy.POOLED_SOURCES
+    assert "ngram:16+" in acceptance_rates.POOLED_SOURCES and "ngram:3" not in acceptance_rates.POOLED_SOURCES
 
 
 def test_a_pooled_estimate_counts_every_verified_draft():
-    from verispec.engine.k_policy import POOLED_PRIOR
+    from verispec.engine.acceptance_rates import POOLED_PRIOR
 
     e = AcceptanceEstimate([0.8] * 8, pooled=True)
     assert e.hits / e.verified == pytest.approx(0.8) and e.verified == POOLED_PRIOR

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from verispec.bench.replay import Answer, load, replay, save
-from verispec.engine.k_policy import STATIC_AVX2, STATIC_AVX512, STATIC_AVXVNNI, KPolicy, StaticCosts
+from verispec.engine.cost_model import STATIC_AVX2, STATIC_AVX512, STATIC_AVXVNNI, StaticCosts
+from verispec.engine.k_policy import KPolicy
 from verispec.errors import VerispecError
 
 ANSWERS = Path(__file__).with_name("data") / "answers.jsonl"

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from verispec.bench.records import Invalid, parse_records
-from verispec.engine.k_policy import KPolicy, StaticCosts
+from verispec.engine.cost_model import StaticCosts
+from verispec.engine.k_policy import KPolicy
 from verispec.engine.metrics import SpecMetrics
 from verispec.engine.params import SamplingParams
 from verispec.engine.sequence import Sequence

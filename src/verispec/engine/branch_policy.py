@@ -20,7 +20,9 @@ depend on timings (engine/k_policy.py, reproducible).
 
 from __future__ import annotations
 
-from verispec.engine.k_policy import EMA, KPolicy, batch_bucket, expected_tokens
+from verispec.engine.cost_model import batch_bucket
+from verispec.engine.ema import EMA
+from verispec.engine.k_policy import KPolicy, expected_tokens
 from verispec.engine.sequence import Sequence
 from verispec.proposers.base import Proposal
 

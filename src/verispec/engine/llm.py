@@ -12,7 +12,8 @@ import torch
 
 from verispec.engine.branch_policy import MAX_ALTERNATIVES
 from verispec.engine.engine import Engine, Request, encode_prompt
-from verispec.engine.k_policy import K_MAX, KPolicy, static_costs
+from verispec.engine.cost_model import static_costs
+from verispec.engine.k_policy import K_MAX, KPolicy
 from verispec.engine.params import SamplingParams
 from verispec.engine.scheduler import Entry
 from verispec.engine.sequence import Sequence
