@@ -1,10 +1,10 @@
-"""The K policy on synthetic costs: K* = argmax E(K) / (K·c_q + c_p(K+1))."""
+"""The K policy on synthetic costs: K* = argmax E(K) / (K·c_q + c_p(K+1)), catch-ups, probes, batches,
+sources and the calibration it is seeded with."""
 
 import pytest
 
-from verispec.engine.acceptance_rates import PRIOR_WEIGHT, AcceptanceEstimate
+from verispec.engine.acceptance_rates import AcceptanceEstimate
 from verispec.engine.cost_model import CostModel
-from verispec.engine.ema import EMA
 from verispec.engine.k_policy import KPolicy, choose_k, expected_tokens
 
 
@@ -34,86 +34,6 @@ def test_cheap_lookup_with_long_matches_drives_k_up_and_poor_matches_down():
 def test_expensive_verify_makes_plain_decoding_win():
     # Verify cost grows like plain decoding itself (no parallelism): speculation never pays.
     assert choose_k([0.9] * 8, flat(1.0, 1.0), c_q=0.2, k_max=8) == 0
-
-
-def test_cost_model_measures_and_extrapolates():
-    c = CostModel()
-    c.record_verify(1, 0.1)
-    c.record_verify(3, 0.14)
-    assert c.c_p(3) == pytest.approx(0.14)
-    assert c.c_p(5) > c.c_p(3) > c.c_p(1)
-    c.record_propose("draft", 4, 0.2)     # 50 ms per token; the prior (free) counts as one measurement
-    assert c.c_q("draft") == pytest.approx(0.025) and c.c_q("ngram") == 0.0
-    for _ in range(40):
-        c.record_propose("draft", 4, 0.2)
-    assert c.c_q("draft") == pytest.approx(0.05, rel=1e-3)
-
-
-def test_width_costs_read_from_the_curve_follow_every_new_measurement():
-    """Widths' costs are kept as a curve for speed (choosing K prices ~65 widths several times a
-    round); a width measured for the first time, or learned further, must reshape it at once:
-    interpolation below it and extrapolation beyond it, as derived afresh."""
-    c = CostModel()
-    c.record_verify(1, 0.10)
-    c.record_verify(5, 0.30)                  # ratio 3: widths 2 … 4 interpolated, 6 … extrapolated
-    assert c.c_p(3) == pytest.approx(0.20) and c.c_p(7) == pytest.approx(0.30 + 2 * 0.35 * 0.10)
-    c.record_verify(3, 0.12)                  # width 3 measured: cheaper than the line through 1 and 5
-    assert c.c_p(3) == pytest.approx(0.12) and c.c_p(2) == pytest.approx(0.11)
-    assert c.c_p(4) == pytest.approx(0.21)
-    c.record_verify(9, 0.50)                  # beyond the widest: widths 6 … 8 now interpolated
-    assert c.c_p(7) == pytest.approx(0.30 + 0.5 * (0.5 - 0.3))
-    assert c.c_p(12) == pytest.approx(0.50 + 3 * 0.35 * 0.10)
-    c.seed({2: 1.5})                          # a calibration replaces what was learned
-    assert c.c_p(2) == pytest.approx(0.15)
-    price = c.pricer()
-    assert [price(n) for n in range(1, 66)] == [c.c_p(n) for n in range(1, 66)]
-
-
-def test_pass_costs_follow_the_machine_whatever_width_runs():
-    """A slow spell while a sequence speculates (only 3-token passes run) raises c_p(1) too: the
-    widths are compared at the machine's current speed, not at the speed of their last passes."""
-    c = CostModel()
-    c.record_verify(1, 0.10)
-    c.record_verify(3, 0.14)
-    for _ in range(30):
-        c.record_verify(3, 0.28)          # the machine at half speed
-    assert c.c_p(1) == pytest.approx(0.20, rel=0.05)
-    assert c.c_p(3) / c.c_p(1) == pytest.approx(1.4, rel=0.05)
-
-
-def test_a_processs_cold_first_passes_do_not_set_the_level():
-    """A process's first target passes carry one-off costs (measured: 129 ms, then 47-51 ms): with the
-    level an EMA from the first pass, c_p(1) read ~2x high for a dozen passes, inflating every price
-    derived from it. Over its first WARM passes a calibrated bucket keeps the fastest; a slow spell
-    afterwards still moves it."""
-    from verispec.engine.cost_model import WARM
-
-    c = CostModel()
-    c.seed({2: 1.1, 3: 1.2})
-    c.record_verify(1, 0.129)                 # cold
-    c.record_verify(3, 0.050 * 1.2)
-    c.record_verify(2, 0.048 * 1.1)
-    assert WARM == 3 and c.c_p(1) == pytest.approx(0.048)
-    for _ in range(30):
-        c.record_verify(1, 0.096)             # the machine at half speed, later
-    assert c.c_p(1) == pytest.approx(0.096, rel=0.01)
-
-
-def test_only_a_long_catch_up_sets_the_catch_up_rate():
-    """A catch-up of a few tokens costs about one pass whatever its length; as a rate per token it
-    priced a 125-token backlog at twice what it took (measured on the 0.5B: 5.4 ms a token from a
-    5-token catch-up, 2.6 from 140). Catch-ups shorter than CATCHUP_MIN tokens leave the rate alone."""
-    from verispec.engine.cost_model import CATCHUP_MIN
-
-    c = CostModel()
-    c.record_verify(1, 0.04)
-    c.seed_propose("draft", 0.25)             # c_q 10 ms: the catch-up prior is 2 ms a token
-    prior = c.c_catchup("draft")
-    c.record_catchup("draft", 5, 0.027)
-    c.record_catchup("draft", CATCHUP_MIN - 1, 0.05)
-    assert c.c_catchup("draft") == prior
-    c.record_catchup("draft", 140, 140 * 0.0026)
-    assert c.c_catchup("draft") == pytest.approx((prior + 0.0026) / 2)
 
 
 def test_a_first_measurement_with_one_off_costs_does_not_lock_the_draft_out():
@@ -148,29 +68,6 @@ def test_one_stalled_proposer_call_does_not_price_cheap_heads_out():
     for _ in range(5):
         dear.costs.record_propose("draft", 1, 0.036)            # really a whole pass per token
     assert dear.costs.c_q("draft") > 0.5 * 0.036
-
-
-def test_acceptance_estimate_updates_reached_positions_and_extends_the_deepest():
-    e = AcceptanceEstimate([0.5] * 4)
-    e.update(proposed=4, accepted=1)      # position 0 accepted, 1 rejected, 2-3 never reached
-    assert e.rates[0] > 0.5 and e.rates[1] < 0.5 and e.rates[2:] == [e.rates[1]] * 2
-    e = AcceptanceEstimate([0.5] * 4)
-    for _ in range(10):
-        e.update(proposed=1, accepted=1)  # always accepted at K = 1: deeper positions look as good
-    assert e.rates[1] == e.rates[0] > 0.85
-
-
-def test_the_prior_counts_as_a_few_observations_then_the_estimate_keeps_moving():
-    e = AcceptanceEstimate([0.7])
-    e.update(proposed=1, accepted=0)
-    assert e.rates[0] == pytest.approx(0.7 * PRIOR_WEIGHT / (PRIOR_WEIGHT + 1))   # mean of prior and one miss
-    e.update(proposed=1, accepted=0)
-    assert e.rates[0] == pytest.approx(0.7 * PRIOR_WEIGHT / (PRIOR_WEIGHT + 2))
-    for _ in range(50):
-        e.update(proposed=1, accepted=1)
-    before = e.rates[0]
-    e.update(proposed=1, accepted=0)      # long past the prior: a miss weighs EMA, not 1 / 53
-    assert e.rates[0] == pytest.approx((1 - EMA) * before)
 
 
 def test_a_sequence_leaves_an_optimistic_prior_within_four_failed_rounds():
@@ -676,32 +573,6 @@ def test_a_seeded_request_chooses_its_source_without_reading_timings():
     assert picks[0] == picks[1]
 
 
-def test_calibrated_ratios_stay_and_every_pass_moves_the_level():
-    """Almost every round speculates (2–6-token passes, noisy, a 1-token pass once in 80): with the
-    calibrated ratios fixed, c_p(1) stays at what a 1-token pass costs and follows the machine when
-    it slows down, whatever width runs."""
-    import random
-
-    truth = {1: 0.036, 2: 0.0362, 3: 0.0367, 4: 0.0376, 5: 0.039, 6: 0.0413}
-    rng = random.Random(5)
-    c = CostModel()
-    c.seed({n: truth[n] / truth[1] for n in range(2, 7)})
-    for i in range(4000):
-        width = 1 if i % 80 == 0 else rng.choice([2, 3, 3, 4, 4, 5, 6])
-        c.record_verify(width, truth[width] * rng.lognormvariate(0, 0.15))
-    assert c.c_p(1) == pytest.approx(0.036, rel=0.1)
-    assert all(c.c_p(n) / c.c_p(1) == pytest.approx(truth[n] / truth[1]) for n in range(2, 7))
-    for _ in range(40):
-        c.record_verify(3, 2 * truth[3])              # the machine at half speed
-    assert c.c_p(1) == pytest.approx(0.072, rel=0.05)
-    unseeded = CostModel()                            # no calibration: a width's passes teach its ratio
-    unseeded.record_verify(1, 0.036)
-    for _ in range(30):
-        unseeded.record_verify(1, 0.036)
-        unseeded.record_verify(3, 0.054)
-    assert unseeded.c_p(3) / unseeded.c_p(1) == pytest.approx(1.5, rel=0.05)
-
-
 def test_seeded_requests_are_priced_with_the_fixed_profile_of_the_kernel_kind():
     """A seed's K schedule reads fixed costs, one profile per kind of kernel: on AVX-512 a pass stays
     memory-bound to ~5 rows and a draft step is cheaper, so a seeded draft drafts further there;
@@ -778,16 +649,6 @@ def test_inside_a_copy_one_miss_does_not_hold_k_down_for_good():
     assert "ngram:16+" in acceptance_rates.POOLED_SOURCES and "ngram:3" not in acceptance_rates.POOLED_SOURCES
 
 
-def test_a_pooled_estimate_counts_every_verified_draft():
-    from verispec.engine.acceptance_rates import POOLED_PRIOR
-
-    e = AcceptanceEstimate([0.8] * 8, pooled=True)
-    assert e.hits / e.verified == pytest.approx(0.8) and e.verified == POOLED_PRIOR
-    e.update(proposed=8, accepted=3)                  # 3 accepted, the 4th rejected: 4 verified
-    rate = ((1 - EMA) * 0.8 * POOLED_PRIOR + 3) / ((1 - EMA) * POOLED_PRIOR + 4)
-    assert e.rates == [pytest.approx(rate)] * 8
-
-
 class DraftOnly(TwoSources):
     """No match this round: the draft (with its catch-up) is the only source."""
 
@@ -821,3 +682,4 @@ def test_a_catch_up_is_repaid_by_the_share_of_rounds_its_source_drafts_even_as_t
     for _ in range(40):
         p.choose_for(DraftOnly("ngram:16+"), [drafting])
     assert p.choose_for(DraftOnly("ngram:16+", draft_backlog=1200), [drafting]) != [0]
+
