@@ -19,7 +19,7 @@ from verispec.models.quant import Int8Linear, quantize_int8
 @pytest.fixture(params=[v.name for v in kernels.VARIANTS])
 def native(request):
     """Each instruction-set variant in turn; one this machine cannot run is skipped, saying why."""
-    if os.environ.get("VERISPEC_KERNELS", "").lower() in ("0", "off", "false", "no"):
+    if kernels.switched_off():
         pytest.skip("native kernels switched off (VERISPEC_KERNELS)")
     try:
         return kernels.load_variant(request.param)
@@ -734,6 +734,23 @@ def test_a_kernel_build_that_does_not_exist_is_refused_not_run_slowly(value, mon
     if lacking:
         monkeypatch.setenv("VERISPEC_KERNEL_ISA", lacking[0])
         assert kernels.kernel_status().startswith(f"unavailable: {lacking[0]}: the CPU lacks")
+
+
+@pytest.mark.parametrize("value", ["of", "disable", "2"])
+def test_a_switch_that_is_neither_off_nor_on_is_refused(value, monkeypatch):
+    """VERISPEC_KERNELS=off runs on torch's kernels; a value that is neither off nor on used to be taken
+    as on, so a misspelt 'off' measured the native kernels under the wrong name."""
+    from verispec.errors import InvalidSetting
+
+    monkeypatch.delenv("VERISPEC_KERNEL_ISA", raising=False)
+    choose_afresh(monkeypatch)
+    monkeypatch.setenv("VERISPEC_KERNELS", value)
+    with pytest.raises(InvalidSetting, match=f"VERISPEC_KERNELS='{value}' is not a setting"):
+        kernels.kernel_status()
+    monkeypatch.setenv("VERISPEC_KERNELS", " OFF ")
+    assert kernels.kernel_status() == "off (VERISPEC_KERNELS)" and not kernels.available()
+    monkeypatch.setenv("VERISPEC_KERNELS", "yes")
+    assert not kernels.switched_off()
 
 
 def test_results_files_name_the_cpu_core_a_virtual_machine_hides():

@@ -209,7 +209,7 @@ def _load_best() -> NativeKernels | None:
         raise InvalidSetting(f"VERISPEC_KERNEL_ISA={wanted!r} names no kernel build; "  # not run slowly
                              f"choose one of {', '.join(names)}, or leave it unset for the best this CPU runs")
     sweeps.fixed()                                         # refuses a VERISPEC_KERNEL_SWEEPS it does not take
-    if os.environ.get("VERISPEC_KERNELS", "").lower() in ("0", "off", "false", "no"):
+    if switched_off():
         _status = "off (VERISPEC_KERNELS)"
         return None
     candidates = [wanted] if wanted else supported_variants()
@@ -228,6 +228,19 @@ def _load_best() -> NativeKernels | None:
         return native
     _status = f"unavailable: {'; '.join(skipped)}"
     return None
+
+
+SWITCH_OFF, SWITCH_ON = ("0", "off", "false", "no"), ("", "1", "on", "true", "yes")
+
+
+def switched_off() -> bool:
+    """VERISPEC_KERNELS=off (or 0, false, no): torch's kernels and layers instead of the native ones. A
+    value that is neither off nor on is refused (InvalidSetting), not taken as on."""
+    value = os.environ.get("VERISPEC_KERNELS", "").strip().lower()
+    if value not in SWITCH_OFF + SWITCH_ON:
+        raise InvalidSetting(f"VERISPEC_KERNELS={value!r} is not a setting: 'off' (or 0, false, no) runs on "
+                             "torch's kernels; unset (or on, 1, true, yes) on the native ones")
+    return value in SWITCH_OFF
 
 
 def available() -> bool:
