@@ -739,7 +739,8 @@ def test_a_kernel_build_that_does_not_exist_is_refused_not_run_slowly(value, mon
 @pytest.mark.parametrize("value", ["of", "disable", "2"])
 def test_a_switch_that_is_neither_off_nor_on_is_refused(value, monkeypatch):
     """VERISPEC_KERNELS=off runs on torch's kernels; a value that is neither off nor on used to be taken
-    as on, so a misspelt 'off' measured the native kernels under the wrong name."""
+    as on, so a misspelt 'off' measured the native kernels under the wrong name. LLM checks it first."""
+    from verispec import LLM
     from verispec.errors import InvalidSetting
 
     monkeypatch.delenv("VERISPEC_KERNEL_ISA", raising=False)
@@ -747,6 +748,8 @@ def test_a_switch_that_is_neither_off_nor_on_is_refused(value, monkeypatch):
     monkeypatch.setenv("VERISPEC_KERNELS", value)
     with pytest.raises(InvalidSetting, match=f"VERISPEC_KERNELS='{value}' is not a setting"):
         kernels.kernel_status()
+    with pytest.raises(InvalidSetting):                 # before the model is looked for, let alone loaded
+        LLM("/no/such/model.gguf")
     monkeypatch.setenv("VERISPEC_KERNELS", " OFF ")
     assert kernels.kernel_status() == "off (VERISPEC_KERNELS)" and not kernels.available()
     monkeypatch.setenv("VERISPEC_KERNELS", "yes")

@@ -17,6 +17,7 @@ from verispec.engine.k_policy import K_MAX, KPolicy
 from verispec.engine.params import SamplingParams
 from verispec.engine.scheduler import Entry
 from verispec.engine.sequence import Sequence
+from verispec import kernels
 from verispec.errors import InvalidRequest, VerispecError
 from verispec.loaders.builtin import DEFAULT_DRAFT, DEFAULT_TARGET, PAIRED_DRAFTS
 from verispec.engine.loading import LoadedModel, draft_auto_dtype, kv_auto_dtype, load_model, parse_dtype
@@ -104,6 +105,7 @@ class LLM:
         if draft_stop != "auto" and (isinstance(draft_stop, bool) or not isinstance(draft_stop, (int, float))
                                      or not 0 <= draft_stop < 1):
             raise VerispecError(f"draft_stop must be 'auto' or a probability in [0, 1), got {draft_stop!r}")
+        kernels.settings()                              # a misspelt VERISPEC_KERNEL* setting, before any load
         self.branches = branches
         self.draft_stop = None if draft_stop == "auto" else float(draft_stop)    # None: the measured default
         self.target: LoadedModel = _load(model, dtype, device, progress)
@@ -159,9 +161,7 @@ class LLM:
 
     def new_policy(self) -> KPolicy:
         """A K policy for one engine, seeded with this machine's calibrated pass and draft costs."""
-        from verispec.kernels import active_variant
-
-        policy = KPolicy(self.k, self._k_max, static_costs(active_variant()))
+        policy = KPolicy(self.k, self._k_max, static_costs(kernels.active_variant()))
         if self._width_seed is not None:
             policy.costs.seed(self._width_seed)
         if self._draft_seed is not None:

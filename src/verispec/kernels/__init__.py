@@ -204,12 +204,8 @@ def _load() -> NativeKernels | None:
 def _load_best() -> NativeKernels | None:
     global _status, _best
     _best = None
-    wanted = os.environ.get("VERISPEC_KERNEL_ISA", "").strip().lower()
-    if wanted and wanted not in (names := [v.name for v in VARIANTS]):      # a misspelt setting is refused,
-        raise InvalidSetting(f"VERISPEC_KERNEL_ISA={wanted!r} names no kernel build; "  # not run slowly
-                             f"choose one of {', '.join(names)}, or leave it unset for the best this CPU runs")
-    sweeps.fixed()                                         # refuses a VERISPEC_KERNEL_SWEEPS it does not take
-    if switched_off():
+    off, wanted = settings()
+    if off:
         _status = "off (VERISPEC_KERNELS)"
         return None
     candidates = [wanted] if wanted else supported_variants()
@@ -231,6 +227,18 @@ def _load_best() -> NativeKernels | None:
 
 
 SWITCH_OFF, SWITCH_ON = ("0", "off", "false", "no"), ("", "1", "on", "true", "yes")
+
+
+def settings() -> tuple[bool, str]:
+    """(switched off, the build VERISPEC_KERNEL_ISA asks for or ''), with all three kernel settings
+    checked: a value a setting does not take is refused (InvalidSetting) — not read as unset, which ran a
+    misspelt build on torch's slower path — so LLM calls this before it loads anything."""
+    wanted = os.environ.get("VERISPEC_KERNEL_ISA", "").strip().lower()
+    if wanted and wanted not in (names := [v.name for v in VARIANTS]):
+        raise InvalidSetting(f"VERISPEC_KERNEL_ISA={wanted!r} names no kernel build; "
+                             f"choose one of {', '.join(names)}, or leave it unset for the best this CPU runs")
+    sweeps.fixed()                                         # VERISPEC_KERNEL_SWEEPS
+    return switched_off(), wanted
 
 
 def switched_off() -> bool:
