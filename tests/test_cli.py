@@ -70,3 +70,15 @@ def test_bench_says_when_top_k_and_top_p_have_no_sampled_run_to_apply_to(capsys)
     assert "apply to sampled runs only" in err and "--ks" in err
     assert main(["bench", "--top-p", "0.9", "--temperatures", "0,0.7", "--ks", "0"]) == 2
     assert "sampled runs only" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("setting, value", [("VERISPEC_KERNELS", "of"), ("VERISPEC_KERNEL_ISA", "avx512"),
+                                            ("VERISPEC_KERNEL_SWEEPS", "defaults")])
+@pytest.mark.parametrize("argv", [["models", "--json"], ["serve", "--replicas", "2"], ["generate", "hi"]])
+def test_a_misspelt_kernel_setting_stops_every_command_before_it_starts(setting, value, argv, monkeypatch, capsys):
+    """Before the model list, a model load, Ray's replicas or a server: one line naming the setting."""
+    monkeypatch.setenv(setting, value)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"verispec: error: {setting}='{value}'")

@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        from verispec import kernels
+
+        kernels.settings()          # a misspelt VERISPEC_KERNEL* setting stops every command before it starts
         return args.run(args)
     except VerispecError as exc:
         print(f"verispec: error: {exc}", file=sys.stderr)
