@@ -194,6 +194,18 @@ def test_int4_packing_round_trips(n, k):
     assert groups[0, 0, 1, 1] == f.m[1, 0] and supers[0, -1, 0, 3] == f.d[3, -1].half()
 
 
+@pytest.mark.parametrize("rows", [7, 16, 1000])
+def test_unpacking_a_few_rows_at_a_time_gives_the_same_weights(monkeypatch, rows):
+    """The torch path's dense copy of a packed layer is unpacked DEQUANT_ROWS rows at a time (the 1.5B's
+    LM head at once took ~6 GB of intermediates): chunks that split a block, end mid-way or hold it all."""
+    monkeypatch.setattr(kernels.packing, "DEQUANT_ROWS", rows)
+    f4, f6 = q4_fields(200, 544, seed=4), q6_fields(200, 512, seed=6)
+    torch.testing.assert_close(kernels.unpack_int4(*kernels.pack_int4(f4.q, f4.sc, f4.m, f4.d, f4.dmin), 200),
+                               f4.dequantized(), rtol=0, atol=0)
+    torch.testing.assert_close(kernels.unpack_int6(*kernels.pack_int6(f6.q, f6.sc, f6.d), 200), f6.dequantized(),
+                               rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("n,k", [(40, 96), (9, 896), (300, 64), (33, 544)])
 def test_int4_rows_read_only_those_rows_exactly(n, k):
     f = q4_fields(n, k, seed=n)

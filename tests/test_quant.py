@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from verispec import LLM, SamplingParams
+from verispec import LLM, SamplingParams, kernels
 from verispec.models.quant import Int8Linear, quantize_int8, quantize_linears
 from conftest import tiny_model
 
@@ -118,10 +118,9 @@ def test_int4_all_puts_every_linear_in_int4_and_is_cached(tmp_path, monkeypatch)
     """A draft's CPU default: every linear (the LM head too) rounded into the 4-bit format, cached in its
     own file beside int4's, and loaded back with the same weights."""
     from test_loader_errors import write_tiny_gguf
-    from verispec.engine.loading import draft_auto_dtype, load_model
+    from verispec.engine.loading import load_model
     from verispec.models.quant import Int4Embedding, Int4Linear
 
-    assert draft_auto_dtype("auto", "cpu") == "int4-all" and draft_auto_dtype("int8", "cpu") == "int8"
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     path = write_tiny_gguf(tmp_path / "m.gguf")
     first = load_model(path, dtype="int4-all")
@@ -141,3 +140,29 @@ def test_an_unknown_draft_dtype_fails_before_any_load():
 
     with pytest.raises(VerispecError, match="unknown dtype"):
         LLM(tiny_model(0), proposer="none", draft_dtype="int3")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_picks_the_packed_formats_only_where_the_native_kernels_run(monkeypatch, native):
+    """int4 for a target and int4-all for a draft on a CPU that runs the kernels; float32 where it cannot
+    (the torch path would hold a float32 copy of every packed layer beside it); an explicit format as
+    given; bfloat16 on a GPU."""
+    from verispec.engine.loading import auto_dtype, draft_auto_dtype
+
+    monkeypatch.setattr(kernels, "available", lambda: native)
+    assert auto_dtype("auto", "cpu") == ("int4" if native else "float32")
+    assert draft_auto_dtype("auto", "cpu") == ("int4-all" if native else "float32")
+    assert auto_dtype("int8", "cpu") == draft_auto_dtype("int8", "cpu") == "int8"
+    assert auto_dtype("auto", "cuda") == draft_auto_dtype("auto", "cuda") == "bfloat16"
+
+
+def test_with_the_kernels_off_auto_loads_float32_and_no_packed_layer(tmp_path, monkeypatch):
+    from test_loader_errors import write_tiny_gguf
+    from verispec.engine.loading import load_model
+    from verispec.models.quant import BlockLinear
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    loaded = load_model(write_tiny_gguf(tmp_path / "m.gguf"))
+    assert loaded.model.dtype == torch.float32
+    assert not [m for m in loaded.model.modules() if isinstance(m, (BlockLinear, Int8Linear))]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 BLOCK = 16                 # output columns per packed int8 block
+DEQUANT_ROWS = 4096        # rows unpacked at a time: a whole LM head's int64 intermediates would take ~6 GB
 
 
 def pack_int8(weight: torch.Tensor) -> torch.Tensor:
@@ -67,7 +68,7 @@ def pack_int4(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tenso
 def unpack_int4(packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor, n: int) -> torch.Tensor:
     """The weight pack_int4's arguments describe, (N, K) float32: (d · sc) · q − (dmin · m) in fp32."""
     per_row = lambda t: t.permute(0, 3, 1, 2).reshape(-1, *t.shape[1:3])     # (b, a, j, 16) -> (N16, a, j)
-    return _int4_dequantized(per_row(packed), per_row(groups), per_row(supers))[:n]
+    return _by_rows(_int4_dequantized, per_row(packed), per_row(groups), per_row(supers))[:n]
 
 
 def int4_rows(packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -76,6 +77,19 @@ def int4_rows(packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor, 
     flat = rows.reshape(-1)
     pick = lambda t: t[flat // BLOCK, :, :, flat % BLOCK]                     # (n, a, j)
     return _int4_dequantized(pick(packed), pick(groups), pick(supers)).reshape(*rows.shape, -1)
+
+
+def _by_rows(dequantized, *fields: torch.Tensor) -> torch.Tensor:
+    """dequantized(*fields) (per-row fields, n rows each -> (n, K) float32), DEQUANT_ROWS rows at a time into
+    one tensor: each row's values are computed alone either way, so they are the same."""
+    n = fields[0].shape[0]
+    out = None
+    for start in range(0, n, DEQUANT_ROWS):
+        part = dequantized(*(f[start: start + DEQUANT_ROWS] for f in fields))          # (rows, K)
+        if out is None:
+            out = torch.empty(n, part.shape[1])
+        out[start: start + len(part)] = part
+    return out if out is not None else dequantized(*fields)
 
 
 def _int4_dequantized(words: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
@@ -115,7 +129,7 @@ def pack_int6(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple[torch
 def unpack_int6(packed: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor, n: int) -> torch.Tensor:
     """The weight pack_int6's arguments describe, (N, K) float32: (d · sc) · (q − 32) in fp32."""
     per_row = lambda t: t.permute(0, t.dim() - 1, *range(1, t.dim() - 1)).reshape(-1, *t.shape[1:-1])
-    return _int6_dequantized(per_row(packed), per_row(scales), per_row(supers))[:n]
+    return _by_rows(_int6_dequantized, per_row(packed), per_row(scales), per_row(supers))[:n]
 
 
 def int6_rows(packed: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
