@@ -3,6 +3,7 @@ on, and a later start repairs the cache without help (the kill is real: SIGKILL 
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 
 from test_loader_errors import write_tiny_gguf
 from verispec.cache import atomic_directory, atomic_file, sweep, temp_path
+from verispec.errors import CacheWriteError
 
 
 def _dead_pid() -> int:
@@ -54,6 +56,57 @@ def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
         (tmp / "b").write_text("2")
     assert sorted(p.name for p in directory.iterdir()) == ["b"]
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_a_full_disk_is_one_clear_error_that_keeps_the_old_file(tmp_path, monkeypatch):
+    """ENOSPC (or a quota, a read-only directory) inside a write: CacheWriteError naming the file, the
+    reason and the free space, still an OSError for callers that recompute; the old file stays, no
+    temporary is left. Other OSErrors pass through as they are."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    target = tmp_path / "calibration.json"
+    target.write_text("old")
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        with pytest.raises(CacheWriteError) as caught:
+            with atomic_file(target) as tmp:
+                tmp.write_text("new, half")
+                raise OSError(code, os.strerror(code))
+        message = str(caught.value)
+        assert message.startswith(f"cannot write {target}: {os.strerror(code)}; ") and "GiB free there" in message
+        assert "VERISPEC_CACHE" in message and caught.value.errno == code and isinstance(caught.value, OSError)
+        assert target.read_text() == "old" and not temp_path(target).exists()
+    with pytest.raises(FileNotFoundError):
+        with atomic_file(target):
+            raise FileNotFoundError(errno.ENOENT, "a source is gone")
+    with pytest.raises(CacheWriteError, match="No space left on device"):
+        with atomic_directory(tmp_path / "prepared") as tmp:
+            raise OSError(errno.ENOSPC, "disk full")
+    assert [p.name for p in tmp_path.iterdir()] == ["calibration.json"]
+    outside = tmp_path.parent / f"{tmp_path.name}-elsewhere" / "head.pt"
+    with pytest.raises(CacheWriteError) as caught:
+        with atomic_file(outside):
+            raise OSError(errno.ENOSPC, "disk full")
+    assert "VERISPEC_CACHE" not in str(caught.value)          # not the cache: no word of moving it
+
+
+def test_a_disk_that_fills_while_a_model_is_prepared_loses_nothing(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own error ("… (os error 28)"): preparing a model then ends
+    in the same CacheWriteError, with no half-written copy; the next load, with room, prepares it."""
+    from safetensors import SafetensorError
+    from verispec.engine import loading
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+
+    def full(tensors, filename):
+        Path(filename).write_bytes(b"half")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(loading, "save_file", full)
+    with pytest.raises(CacheWriteError, match=r"cannot write .*prepared.*: No space left on device"):
+        loading.load_model(path, dtype="float32")
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    monkeypatch.undo()
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    assert loading.load_model(path, dtype="float32").cold
 
 
 # A child that prepares a model and is killed in the middle of writing one cache file: the save
@@ -146,3 +199,19 @@ def test_an_assembly_killed_mid_write_is_redone_by_the_next_start(tmp_path, monk
     path = builtin.ensure_assembled(name, progress=False)
     assert builtin.builtin_status(name).assembled and path.stat().st_size == builtin.BUILTIN_MODELS[name].size
     assert _temporaries(cache) == []
+
+
+def test_an_assembly_without_room_stops_before_writing_a_byte(tmp_path, monkeypatch, capsys):
+    """The built-in GGUF's size is known: a disk with less free space stops the assembly at once, with
+    the size and the free space in one line, and the cache holds nothing new."""
+    from verispec import cache as cache_module
+    from verispec.loaders import builtin
+    name = "qwen2.5-coder-0.5b-instruct"
+    if not builtin.builtin_status(name).installed:
+        pytest.skip("the built-in model packages are not installed")
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache_module, "_free_bytes", lambda target: 100 << 20)
+    with pytest.raises(CacheWriteError, match=r"it takes 0\.\d GiB and its disk has 0\.1 GiB free \(set VERISPEC_CACHE"):
+        builtin.ensure_assembled(name, progress=True)
+    assert not (tmp_path / "cache").exists() or not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert "assembling" not in capsys.readouterr().err

