@@ -91,16 +91,17 @@ def test_a_full_disk_is_one_clear_error_that_keeps_the_old_file(tmp_path, monkey
 def test_a_disk_that_fills_while_a_model_is_prepared_loses_nothing(tmp_path, monkeypatch):
     """safetensors reports a full disk as its own error ("… (os error 28)"): preparing a model then ends
     in the same CacheWriteError, with no half-written copy; the next load, with room, prepares it."""
+    import safetensors.torch
     from safetensors import SafetensorError
     from verispec.engine import loading
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     path = write_tiny_gguf(tmp_path / "m.gguf")
 
-    def full(tensors, filename):
+    def full(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"half")
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-    monkeypatch.setattr(loading, "save_file", full)
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
     with pytest.raises(CacheWriteError, match=r"cannot write .*prepared.*: No space left on device"):
         loading.load_model(path, dtype="float32")
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
@@ -113,8 +114,9 @@ def test_a_disk_that_fills_while_a_model_is_prepared_loses_nothing(tmp_path, mon
 # function writes half of its output, says so, and waits to be killed.
 CHILD = textwrap.dedent("""
     import sys, time
+    import safetensors.torch
     import verispec.engine.loading as loading
-    real, which = loading.save_file, sys.argv[2]
+    real, which = safetensors.torch.save_file, sys.argv[2]
 
     def dying_save(state, filename, *args, **kwargs):
         real(state, filename, *args, **kwargs)
@@ -124,7 +126,7 @@ CHILD = textwrap.dedent("""
             print("half written", flush=True)
             time.sleep(120)
 
-    loading.save_file = dying_save
+    safetensors.torch.save_file = dying_save
     loading.load_model(sys.argv[1], dtype="int8")
 """)
 
@@ -215,3 +217,24 @@ def test_an_assembly_without_room_stops_before_writing_a_byte(tmp_path, monkeypa
         builtin.ensure_assembled(name, progress=True)
     assert not (tmp_path / "cache").exists() or not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
     assert "assembling" not in capsys.readouterr().err
+
+
+def test_save_tensors_gives_safetensors_io_errors_their_errno(tmp_path, monkeypatch):
+    """Every safetensors write (prepared copies, quantized weights, heads, training shards) goes through
+    cache.save_tensors: an I/O error in safetensors' text becomes that OSError; anything else is kept."""
+    import safetensors.torch
+    import torch
+    from safetensors import SafetensorError
+    from verispec.cache import save_tensors
+
+    def failing(text):
+        def save(tensors, filename, metadata=None):
+            raise SafetensorError(text)
+        return save
+    monkeypatch.setattr(safetensors.torch, "save_file", failing("I/O error: Disk quota exceeded (os error 122)"))
+    with pytest.raises(CacheWriteError, match="Disk quota exceeded"):
+        with atomic_file(tmp_path / "heads.safetensors") as tmp:
+            save_tensors({"w": torch.zeros(2)}, tmp)
+    monkeypatch.setattr(safetensors.torch, "save_file", failing("tensor 'w' is not contiguous"))
+    with pytest.raises(SafetensorError, match="not contiguous"):
+        save_tensors({"w": torch.zeros(2)}, tmp_path / "x.safetensors")

@@ -129,6 +129,21 @@ def write_json(target: Path, value) -> bool:
         return False
 
 
+def save_tensors(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, with the I/O error it reports in its message ("… (os error 28)") raised as
+    an OSError with that errno, so a full disk inside atomic_file reads as one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as err:
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
+
+
 @contextmanager
 def atomic_directory(target: Path) -> Iterator[Path]:
     """Yield an empty temporary directory to fill; on success it takes `target`'s place (an older

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import re
 import shutil
 import sys
 import time
@@ -18,11 +16,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from verispec import kernels
-from verispec.cache import atomic_directory, atomic_file, cache_dir
+from verispec.cache import atomic_directory, atomic_file, cache_dir, save_tensors
 from verispec.config import ModelConfig
 from verispec.errors import InvalidModelFile, ModelNotFound, UnsupportedModel, VerispecError
 from verispec.loaders import builtin
@@ -159,18 +156,6 @@ def _quant_file(quant: str | None) -> str:
     return f"model.{quant}.v{QUANT_LAYOUT}.safetensors"
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors' save_file, with the I/O error it reports in its message ("… (os error 28)") raised as
-    an OSError with that errno, so a full disk reads as one (cache.atomic_file)."""
-    try:
-        save_file(tensors, str(path))
-    except SafetensorError as err:
-        code = re.search(r"\(os error (\d+)\)", str(err))
-        if code is None:
-            raise
-        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
-
-
 def _quantize_and_cache(model: Transformer, quant: str, prepared: Path | None, gguf: Path | None = None) -> None:
     """Quantize in place; in a prepared directory, keep the result so later loads skip the work. int4
     reads its 4- and 6-bit weights from the GGUF the model came from (without one, every linear is int8;
@@ -187,7 +172,7 @@ def _quantize_and_cache(model: Transformer, quant: str, prepared: Path | None, g
     if prepared is not None and (prepared / "verispec.json").is_file():
         target = prepared / _quant_file(quant)
         with atomic_file(target) as tmp:
-            _save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, tmp)
+            save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, tmp)
         for stale in prepared.glob(f"model.{quant}.*safetensors"):     # caches in an older layout
             if stale != target:
                 stale.unlink(missing_ok=True)
@@ -207,7 +192,7 @@ def _prepare_gguf(path: Path, prepared: Path, dtype: torch.dtype, device: str, p
     fuse_projections(state)                     # stored fused, so a warm load copies nothing
     tok, info = tokenizer_from_gguf(open_reader(path), path, cfg.vocab_size)
     with atomic_directory(prepared) as tmp:
-        _save_tensors({k: v for k, v in state.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")},
+        save_tensors({k: v for k, v in state.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")},
                       tmp / "model.safetensors")
         if tok is not None:
             tok.save(str(tmp / "tokenizer.json"))

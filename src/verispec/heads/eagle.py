@@ -136,9 +136,8 @@ class EagleHead(nn.Module):
 
 
 def save_head(head: EagleHead, path: str | Path, dtype: torch.dtype = torch.float16) -> None:
-    from safetensors.torch import save_file
 
-    from verispec.cache import atomic_file
+    from verispec.cache import atomic_file, save_tensors
 
     meta = {"kind": "eagle", **{k: str(v) for k, v in head.dims.items()}, "rope_theta": repr(head.rope_theta),
             "rms_norm_eps": repr(head.eps),
@@ -147,7 +146,7 @@ def save_head(head: EagleHead, path: str | Path, dtype: torch.dtype = torch.floa
     tensors = {k: state[k].detach().to(dtype).contiguous() for k in EagleHead.shapes(head.dims)}
     tensors["vocab"] = head.vocab.contiguous()
     with atomic_file(Path(path)) as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
+        save_tensors(tensors, tmp, metadata=meta)
 
 
 def load_head(path: Path, meta: dict, names: set[str], f, hidden_size: int, vocab_size: int) -> EagleHead:

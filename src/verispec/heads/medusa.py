@@ -61,16 +61,15 @@ class MedusaHeads(nn.Module):
 
 
 def save_heads(heads: MedusaHeads, path: str | Path, dtype: torch.dtype = torch.float16) -> None:
-    from safetensors.torch import save_file
 
-    from verispec.cache import atomic_file
+    from verispec.cache import atomic_file, save_tensors
 
     meta = {"kind": "medusa", "hidden_size": str(heads.weight.shape[1]),
             **{k: v if isinstance(v, str) else json.dumps(v) for k, v in heads.meta.items()}}
     tensors = {"weight": heads.weight.detach().to(dtype).contiguous(), "bias": heads.bias.detach().to(dtype).contiguous(),
                "vocab": heads.vocab.contiguous()}
     with atomic_file(Path(path)) as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
+        save_tensors(tensors, tmp, metadata=meta)
 
 
 def load_medusa(path: Path, meta: dict, names: set[str], f, hidden_size: int, vocab_size: int) -> MedusaHeads:

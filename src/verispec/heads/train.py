@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from verispec.cache import atomic_file
+from verispec.cache import atomic_file, save_tensors
 from verispec.heads.medusa import MedusaHeads
 from verispec.models import Transformer
 from verispec.models.runner import ModelRunner
@@ -57,7 +57,7 @@ def extract(model: Transformer, windows: list[list[int]], out_dir: Path,
             on_progress: Callable[[int, int, int, int, float], None] | None = None) -> Features:
     """Teacher-forced states and greedy tokens for every window (shards kept in out_dir, reused).
     on_progress(windows done, windows, tokens read in this run, tokens left, seconds) after each window."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     runner = ModelRunner(model, 1, max(len(w) for w in windows))
@@ -89,7 +89,7 @@ def extract(model: Transformer, windows: list[list[int]], out_dir: Path,
         part = {"states": torch.cat(states), "argmax": torch.cat(argmax),
                 "lengths": torch.tensor([len(w) for w in shard], dtype=torch.long)}
         with atomic_file(path) as tmp:
-            save_file(part, str(tmp))
+            save_tensors(part, tmp)
         parts.append(part)
     lengths = torch.cat([p["lengths"] for p in parts])
     return Features(torch.cat([p["states"] for p in parts]), torch.cat([p["argmax"] for p in parts]),
