@@ -79,17 +79,15 @@ def int4_rows(packed: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor, 
     return _int4_dequantized(pick(packed), pick(groups), pick(supers)).reshape(*rows.shape, -1)
 
 
-def _by_rows(dequantized, *fields: torch.Tensor) -> torch.Tensor:
-    """dequantized(*fields) (per-row fields, n rows each -> (n, K) float32), DEQUANT_ROWS rows at a time into
-    one tensor: each row's values are computed alone either way, so they are the same."""
-    n = fields[0].shape[0]
-    out = None
+def _by_rows(dequantized, words: torch.Tensor, *fields: torch.Tensor) -> torch.Tensor:
+    """dequantized(words, *fields) (per-row fields, words (n, G, …) -> (n, 32 G) float32), DEQUANT_ROWS rows
+    at a time into one tensor: each row's values are computed alone either way, so they are the same."""
+    n, groups = words.shape[:2]
+    out = torch.empty(n, 32 * groups)                                            # (n, K)
     for start in range(0, n, DEQUANT_ROWS):
-        part = dequantized(*(f[start: start + DEQUANT_ROWS] for f in fields))          # (rows, K)
-        if out is None:
-            out = torch.empty(n, part.shape[1])
-        out[start: start + len(part)] = part
-    return out if out is not None else dequantized(*fields)
+        rows = slice(start, start + DEQUANT_ROWS)
+        out[rows] = dequantized(words[rows], *(f[rows] for f in fields))
+    return out
 
 
 def _int4_dequantized(words: torch.Tensor, groups: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
