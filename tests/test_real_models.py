@@ -113,13 +113,14 @@ def test_greedy_speculative_equals_plain_on_the_real_pair(real_pair):
     assert sum(o.spec["accepted"] for o in heads) > 0
 
 
-def test_lookup_copies_a_renamed_variable_through_its_edit(real_pair):
-    """The 1.5B renames `tmp` to `total` while re-emitting a function: after the first rename the
-    lookup proposes the new name at the later uses (it learned the edit), the copy runs through them in
-    fewer rounds than without edits, and greedy output stays the plain one."""
+def test_lookup_copies_a_renamed_variable_through_its_edit():
+    """The 1.5B in its default format renames `tmp` to `total` while re-emitting a function: after the
+    first rename the lookup proposes the new name at the later uses (it learned the edit), the copy runs
+    through them in fewer rounds than without edits, and greedy output stays the plain one."""
     import verispec.proposers.match_index as match_index
+    from verispec.engine.loading import load_model
 
-    target, _ = real_pair
+    target = load_model("qwen2.5-coder-1.5b-instruct")
     code = ("def summarize(orders):\n    tmp = 0\n    for order in orders:\n        if order.status == 'paid':\n"
             "            tmp += order.amount\n        elif order.status == 'refunded':\n            tmp -= order.amount\n"
             "    print('total:', tmp)\n    return tmp\n")
