@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 from verispec.errors import CacheWriteError
+from verispec.huge_pages import drop_page_cache
 
 _TEMP = re.compile(r"^\..+\.(\d+)\.tmp$")
 
@@ -131,7 +132,8 @@ def write_json(target: Path, value) -> bool:
 
 def save_tensors(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
     """safetensors' save_file, with the I/O error it reports in its message ("… (os error 28)") raised as
-    an OSError with that errno, so a full disk inside atomic_file reads as one."""
+    an OSError with that errno, so a full disk inside atomic_file reads as one. The file is then dropped
+    from the page cache, so that its first reader maps it in huge pages (huge_pages.drop_page_cache)."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -142,6 +144,7 @@ def save_tensors(tensors: dict, path: Path, metadata: dict[str, str] | None = No
         if code is None:
             raise
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
+    drop_page_cache(path)
 
 
 @contextmanager

@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from verispec import kernels
 from verispec.cache import atomic_directory, atomic_file, cache_dir, save_tensors
@@ -24,6 +23,7 @@ from verispec.config import ModelConfig
 from verispec.errors import InvalidModelFile, ModelNotFound, UnsupportedModel, VerispecError
 from verispec.loaders import builtin
 from verispec.loaders.checkpoint import check_state, fuse_projections
+from verispec.loaders.safetensors_file import read_safetensors
 from verispec.loaders.tokenizer import TextTokenizer
 from verispec.models import Transformer
 from verispec.models.quant import quantize_linears
@@ -123,9 +123,8 @@ def load_model(arg: str | Path, dtype: str | torch.dtype = "auto", device: str =
             shutil.rmtree(prepared, ignore_errors=True)
             cold = True
     if cold:
-        model, tok = _prepare_gguf(path, prepared, torch_dtype, device, progress)
-        if quant is not None:
-            _quantize_and_cache(model, quant, prepared, path)
+        _prepare_gguf(path, prepared, progress)
+        model, tok = load_directory(prepared, torch_dtype, device, quant)     # as every later load does
     _check_template(tok, path)
     return LoadedModel(name, model, tok, path, time.perf_counter() - start, cold)
 
@@ -178,7 +177,9 @@ def _quantize_and_cache(model: Transformer, quant: str, prepared: Path | None, g
                 stale.unlink(missing_ok=True)
 
 
-def _prepare_gguf(path: Path, prepared: Path, dtype: torch.dtype, device: str, progress: bool):
+def _prepare_gguf(path: Path, prepared: Path, progress: bool) -> None:
+    """Parse and dequantize the GGUF once and write its prepared directory (float32 weights, tokenizer,
+    config), which this load and every later one then read."""
     from verispec.loaders.gguf_loader import load_gguf, open_reader
     from verispec.loaders.tokenizer import tokenizer_from_gguf
 
@@ -198,9 +199,6 @@ def _prepare_gguf(path: Path, prepared: Path, dtype: torch.dtype, device: str, p
             tok.save(str(tmp / "tokenizer.json"))
         meta = {"version": PREPARED_VERSION, "source": str(path), "config": asdict(cfg), "tokenizer": info}
         (tmp / "verispec.json").write_text(json.dumps(meta, indent=1))
-    model = build_model(cfg, state, dtype, device, path)
-    text_tok = TextTokenizer.from_files(prepared / "tokenizer.json", info) if tok is not None else None
-    return model, text_tok
 
 
 def load_directory(directory: Path, dtype: torch.dtype, device: str,
@@ -222,24 +220,30 @@ def load_directory(directory: Path, dtype: torch.dtype, device: str,
     tok_file = directory / "tokenizer.json"
     tok = TextTokenizer.from_files(tok_file, info) if tok_file.is_file() else None
     cached = directory / _quant_file(quant)
-    if quant is not None and meta_path.is_file() and cached.is_file():
-        return build_quantized(cfg, _read_safetensors([cached]), quant, device, directory), tok
-    files = [f for f in sorted(directory.glob("*.safetensors"))
-             if not f.name.startswith(tuple(f"model.{q}." for q in QUANTIZED))]     # any layout's quant cache
-    if not files:
-        raise InvalidModelFile(directory, "no *.safetensors weight files")
-    model = build_model(cfg, _read_safetensors(files), dtype, device, directory)
-    if quant is not None:
+    if quant is None or not (meta_path.is_file() and cached.is_file()):
+        files = [f for f in sorted(directory.glob("*.safetensors"))
+                 if not f.name.startswith(tuple(f"model.{q}." for q in QUANTIZED))]     # any layout's quant cache
+        if not files:
+            raise InvalidModelFile(directory, "no *.safetensors weight files")
+        model = build_model(cfg, _read_safetensors(files), dtype, device, directory)
+        if quant is None:
+            return model, tok
         source = Path(meta["source"]) if meta_path.is_file() and meta.get("source") else None
         _quantize_and_cache(model, quant, directory if meta_path.is_file() else None, source)
-    return model, tok
+        if not (meta_path.is_file() and cached.is_file()):
+            return model, tok                   # nowhere to keep it: the weights stay where quantizing left them
+        del model                               # read back what was kept, as every later load does
+    return build_quantized(cfg, _read_safetensors([cached]), quant, device, directory), tok
 
 
 def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    """The files' tensors, in 2 MiB pages where the machine allows (loaders/safetensors_file.py)."""
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            state.update(load_file(str(f)))
+            state.update(read_safetensors(f))
+        except InvalidModelFile:
+            raise
         except Exception as exc:
             raise InvalidModelFile(f, f"cannot read safetensors ({exc})") from None
     return state
