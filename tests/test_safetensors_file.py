@@ -87,18 +87,22 @@ def test_a_file_the_kernel_keeps_in_small_pages_is_copied_into_huge_ones(tmp_pat
 
 @on_linux_with_advice
 def test_a_weights_file_written_to_the_cache_leaves_the_page_cache(tmp_path, monkeypatch):
-    """cache.save_tensors writes the file out and drops it from the page cache, so that the first load
-    reads it back in 2 MiB folios instead of mapping the small ones writing left (what it asks of the
-    kernel is checked here; what the kernel then does is the test above)."""
-    from verispec import cache
+    """The loader writes each prepared and quantized weights file out and drops it from the page cache,
+    so that the first load reads it back in 2 MiB folios instead of mapping the small ones writing left
+    (what it asks of the kernel is checked here; what the kernel then does, in the tests above)."""
+    pytest.importorskip("gguf")
+    from test_loader_errors import write_tiny_gguf
+    from verispec.engine.loading import load_model
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     dropped = []
     real = os.posix_fadvise
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: dropped.append(
-        (os.readlink(f"/proc/self/fd/{fd}"), off, n, advice)) or real(fd, off, n, advice))
-    path = tmp_path / "w.safetensors"
-    cache.save_tensors({"w": torch.ones(4)}, path)
-    assert dropped == [(str(path), 0, 0, os.POSIX_FADV_DONTNEED)]
-    assert torch.equal(read_safetensors(path)["w"], torch.ones(4))
+        (os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), off, n, advice)) or real(fd, off, n, advice))
+    load_model(write_tiny_gguf(tmp_path / "m.gguf"), dtype="int8")
+    assert sorted(dropped) == sorted([("model.safetensors", 0, 0, os.POSIX_FADV_DONTNEED),
+                                      (next((tmp_path / "cache").rglob("model.int8.*")).name, 0, 0,
+                                       os.POSIX_FADV_DONTNEED)])
 
 
 @on_linux_with_advice

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Iterator
 
 from verispec.errors import CacheWriteError
-from verispec.huge_pages import drop_page_cache
 
 _TEMP = re.compile(r"^\..+\.(\d+)\.tmp$")
 
@@ -132,8 +131,7 @@ def write_json(target: Path, value) -> bool:
 
 def save_tensors(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
     """safetensors' save_file, with the I/O error it reports in its message ("… (os error 28)") raised as
-    an OSError with that errno, so a full disk inside atomic_file reads as one. The file is then dropped
-    from the page cache, so that its first reader maps it in huge pages (huge_pages.drop_page_cache)."""
+    an OSError with that errno, so a full disk inside atomic_file reads as one."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -144,7 +142,6 @@ def save_tensors(tensors: dict, path: Path, metadata: dict[str, str] | None = No
         if code is None:
             raise
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
-    drop_page_cache(path)
 
 
 @contextmanager

@@ -6,12 +6,13 @@ virtual machine a miss walks two sets of page tables. Linux maps a file in 2 MiB
 cache holds the file in 2 MiB folios (filesystems with large folios, such as ext4 and xfs on recent
 kernels) and the mapping is advised with MADV_HUGEPAGE; the kernel reads a file into such folios for a
 mapping so advised, but a file cached before in small folios (as writing it leaves it) stays in them.
-`map_file` maps, advises and faults the file in, and verispec drops the page cache of every weights
-file it writes (`drop_page_cache`) so that the first load reads it back in huge folios. Where the mapping is still in small pages (an older kernel, a
-filesystem without large folios, a file cached by another reader), `copy_to_huge` places the bytes in
-an anonymous mapping advised for huge pages, which transparent huge pages back wherever they are on
-(`always` or `madvise`): the same speed, at the cost of a copy at load and of memory not shared with
-the page cache. Not Linux: the plain file mapping, as before.
+`map_file` maps, advises and faults the file in, and the loader drops each prepared or quantized weights
+file it writes from the page cache (`drop_page_cache`) so that the first load reads it back in huge
+folios. Where the mapping is still in small pages (an older kernel, a filesystem without large folios, a
+file cached by another reader), `copy_to_huge` places the bytes in an anonymous mapping advised for huge
+pages, which transparent huge pages back wherever they are on (`always` or `madvise`): the same speed,
+at the cost of a copy at load and of memory not shared with the page cache. Not Linux: the plain file
+mapping, as before.
 
 Measured on a 2-core Xeon VM (docs/PERFORMANCE_LOG.md): plain decode of the 1.5B 1.15x faster, and the
 first pass after a second of idling about half as slow as before.

@@ -21,6 +21,7 @@ from verispec import kernels
 from verispec.cache import atomic_directory, atomic_file, cache_dir, save_tensors
 from verispec.config import ModelConfig
 from verispec.errors import InvalidModelFile, ModelNotFound, UnsupportedModel, VerispecError
+from verispec.huge_pages import drop_page_cache
 from verispec.loaders import builtin
 from verispec.loaders.checkpoint import check_state, fuse_projections
 from verispec.loaders.safetensors_file import read_safetensors
@@ -172,6 +173,7 @@ def _quantize_and_cache(model: Transformer, quant: str, prepared: Path | None, g
         target = prepared / _quant_file(quant)
         with atomic_file(target) as tmp:
             save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, tmp)
+        drop_page_cache(target)                 # so that loads map it in 2 MiB pages (huge_pages.py)
         for stale in prepared.glob(f"model.{quant}.*safetensors"):     # caches in an older layout
             if stale != target:
                 stale.unlink(missing_ok=True)
@@ -199,6 +201,7 @@ def _prepare_gguf(path: Path, prepared: Path, progress: bool) -> None:
             tok.save(str(tmp / "tokenizer.json"))
         meta = {"version": PREPARED_VERSION, "source": str(path), "config": asdict(cfg), "tokenizer": info}
         (tmp / "verispec.json").write_text(json.dumps(meta, indent=1))
+    drop_page_cache(prepared / "model.safetensors")
 
 
 def load_directory(directory: Path, dtype: torch.dtype, device: str,
