@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from verispec.errors import InvalidModelFile
 from verispec import huge_pages
 from verispec.huge_pages import HUGE_ENOUGH, HUGE_PAGE, huge_bytes, huge_fraction, thp_mode
-from verispec.loaders.safetensors_file import read_safetensors
+from verispec.loaders.safetensors_file import read_header, read_safetensors
 
 on_linux_with_advice = pytest.mark.skipif(not (sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE")),
                                           reason="huge-page advice is Linux's madvise(MADV_HUGEPAGE)")
@@ -72,17 +72,88 @@ def test_a_file_the_kernel_keeps_in_small_pages_is_copied_into_huge_ones(tmp_pat
     save_file({"a": torch.randn(1024, 1024), "odd": torch.arange(3, dtype=torch.uint8), "b": torch.randn(64)},
               str(path))
 
-    def small(p):
-        mapped = huge_pages.map_file(p)
+    def small(p, hot=None):
+        mapped = huge_pages.map_file(p, hot)
         mapped.huge = 0.0
         return mapped
-    monkeypatch.setattr(module, "map_file", small)
+    monkeypatch.setattr(module, "map_huge", small)
     tensors, want = read_safetensors(path), load_file(str(path))
     assert all(torch.equal(tensors[k], want[k]) for k in want)
     assert all(len(_mapping(t)[2].split()) == 5 for t in tensors.values()), "not in an anonymous mapping"
     assert all(_advised(t) for t in tensors.values())
     block = huge_bytes(3 * HUGE_PAGE + 5)
     assert block.data_ptr() % HUGE_PAGE == 0 and not block.any()
+
+
+def _cache_in_small_folios(path) -> None:
+    """Leave path in the page cache in 4 KiB folios, as a plain reader without readahead does."""
+    huge_pages.drop_page_cache(path)
+    with open(path, "rb") as f:
+        huge_pages.no_readahead(f)
+        while f.read(4096):
+            pass
+
+
+def _gives_large_folios(path) -> bool:
+    """Whether the filesystem reads path back into 2 MiB folios for a mapping advised for them."""
+    huge_pages.drop_page_cache(path)
+    fraction = huge_pages.map_file(path).huge
+    huge_pages.drop_page_cache(path)
+    return fraction >= 0.99
+
+
+@on_linux_with_advice
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason=f"transparent huge pages are {thp_mode()}")
+def test_a_file_cached_in_small_folios_is_read_back_into_huge_ones(tmp_path):
+    """A file the page cache holds in small folios (as a plain read leaves it, or reclaim under memory
+    pressure) cannot be mapped in huge pages: map_huge drops the file from the page cache and maps it
+    again, so the tensors are views of the file, in huge pages, and not a copy. Reading its header
+    first leaves no small folio of it either."""
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.randn(4096, 1024), "b": torch.randn(64)}, str(path))
+    if not _gives_large_folios(path):
+        pytest.skip("the filesystem under the test directory reads no 2 MiB folios")
+    read_header(path)
+    assert huge_pages.map_file(path).huge >= 0.99, "the header's read left small folios"
+    _cache_in_small_folios(path)
+    assert huge_pages.map_file(path).huge < HUGE_ENOUGH
+    tensors = read_safetensors(path)
+    assert huge_fraction(tensors["a"]) >= HUGE_ENOUGH
+    assert len(_mapping(tensors["a"])[2].split()) == 6, "copied instead of mapped from the file"
+
+
+@on_linux_with_advice
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason=f"transparent huge pages are {thp_mode()}")
+@pytest.mark.parametrize("kept_small", [False, True], ids=["mapped", "copied"])
+def test_a_tensor_read_by_rows_stays_in_plain_pages_until_touched(tmp_path, monkeypatch, kept_small):
+    """The token embedding, of which a pass reads one row per token, is neither advised, faulted in nor
+    copied: it takes memory for the pages a lookup touches. The tensors around it are in huge pages."""
+    import verispec.loaders.safetensors_file as module
+    path = tmp_path / "w.safetensors"
+    g = torch.Generator().manual_seed(1)
+    save_file({"a": torch.randn(2048, 1024, generator=g), "embed": torch.randn(8192, 1024, generator=g),
+               "z": torch.randn(2048, 1024, generator=g)}, str(path))
+    _, entries = module.read_header(path)
+    assert [n for n, _ in sorted(entries.items(), key=lambda e: e[1][2])] == ["a", "embed", "z"]
+    if kept_small:
+        def small(p, hot=None):
+            mapped = huge_pages.map_file(p, hot)
+            mapped.huge = 0.0
+            return mapped
+        monkeypatch.setattr(module, "map_huge", small)
+    else:
+        huge_pages.drop_page_cache(path)          # as the loader leaves the files it writes
+    tensors = read_safetensors(path, by_rows={"embed"})
+    embed = tensors["embed"]
+    middle = embed[embed.shape[0] // 2]
+    assert not _advised(middle)
+    assert _resident(middle) < 4 << 20, "the untouched rows were read in"
+    assert _advised(tensors["a"]) and _advised(tensors["z"])
+    if kept_small:
+        assert all(len(_mapping(tensors[k])[2].split()) == 5 for k in ("a", "z")), "not copied"
+    assert len(_mapping(middle)[2].split()) == 6, "the embedding left the file's mapping"
+    want = load_file(str(path))
+    assert all(torch.equal(tensors[k], want[k]) for k in want)
 
 
 @on_linux_with_advice
@@ -100,7 +171,8 @@ def test_a_weights_file_written_to_the_cache_leaves_the_page_cache(tmp_path, mon
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: dropped.append(
         (os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), off, n, advice)) or real(fd, off, n, advice))
     load_model(write_tiny_gguf(tmp_path / "m.gguf"), dtype="int8")
-    assert sorted(dropped) == sorted([("model.safetensors", 0, 0, os.POSIX_FADV_DONTNEED),
+    whole = [call for call in dropped if call[1:] == (0, 0, os.POSIX_FADV_DONTNEED)]   # not a header's pages
+    assert sorted(whole) == sorted([("model.safetensors", 0, 0, os.POSIX_FADV_DONTNEED),
                                       (next((tmp_path / "cache").rglob("model.int8.*")).name, 0, 0,
                                        os.POSIX_FADV_DONTNEED)])
 
@@ -121,6 +193,29 @@ def test_a_loaded_model_keeps_its_weights_in_huge_page_memory(tmp_path, monkeypa
         assert weights and all(_advised(t) for t in weights), dtype
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["own-lm-head", "tied"])
+def test_the_loader_reads_the_token_embedding_by_rows_unless_it_is_the_lm_head(tmp_path, monkeypatch, tied):
+    """The loader leaves the token embedding out of huge pages in every format, except in a float model
+    whose LM head is the embedding (tied): then every pass streams it whole."""
+    pytest.importorskip("gguf")
+    from test_loader_errors import write_tiny_gguf
+    import verispec.engine.loading as loading
+    from verispec.engine.loading import load_model
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    seen: list[tuple[str, set[str]]] = []
+    real = loading.read_safetensors
+    monkeypatch.setattr(loading, "read_safetensors",
+                        lambda path, by_rows=(): seen.append((path.name, set(by_rows))) or real(path, by_rows))
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", drop="output.weight" if tied else None)
+    for dtype in ("float32", "int8", "int8"):
+        seen.clear()
+        load_model(gguf, dtype=dtype)
+        assert seen and seen[-1][0].startswith("model.int8." if dtype == "int8" else "model.safetensors")
+        want = set() if tied and dtype == "float32" else {"model.embed_tokens.weight"}
+        assert seen[-1][1] == want, (dtype, seen)
+
+
 def _mapping(t: torch.Tensor) -> tuple[int, int, str, list[str]]:
     """(start, end, header line, VmFlags) of the mapping in /proc/self/smaps holding t's first byte."""
     address, found = t.data_ptr(), None
@@ -132,6 +227,20 @@ def _mapping(t: torch.Tensor) -> tuple[int, int, str, list[str]]:
                 found = (lo, hi, line.strip()) if lo <= address < hi else None
             elif found and line.startswith("VmFlags:"):
                 return (*found, line.split()[1:])
+    raise AssertionError("no mapping holds the tensor")
+
+
+def _resident(t: torch.Tensor) -> int:
+    """Bytes resident (Rss in /proc/self/smaps) of the mapping holding t's first byte."""
+    lo = _mapping(t)[0]
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and ":" not in first:
+                inside = int(first.split("-")[0], 16) == lo
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
     raise AssertionError("no mapping holds the tensor")
 
 
@@ -171,7 +280,7 @@ def test_a_hostile_header_is_refused_before_anything_is_allocated(tmp_path, monk
     path = tmp_path / "bad.safetensors"
     path.write_bytes(raw)
     import verispec.loaders.safetensors_file as module
-    monkeypatch.setattr(module, "map_file", lambda p: pytest.fail(f"mapped {p} despite a bad header"))
+    monkeypatch.setattr(module, "map_huge", lambda p, hot=None: pytest.fail(f"mapped {p} despite a bad header"))
     with pytest.raises(InvalidModelFile, match=problem) as info:
         read_safetensors(path)
     assert str(path) in str(info.value)

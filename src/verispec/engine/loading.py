@@ -24,11 +24,11 @@ from verispec.errors import InvalidModelFile, ModelNotFound, UnsupportedModel, V
 from verispec.huge_pages import drop_page_cache
 from verispec.loaders import builtin
 from verispec.loaders.checkpoint import check_state, fuse_projections
-from verispec.loaders.safetensors_file import read_safetensors
+from verispec.loaders.safetensors_file import read_header, read_safetensors
 from verispec.loaders.tokenizer import TextTokenizer
 from verispec.models import Transformer
 from verispec.models.quant import quantize_linears
-from verispec.models.build import build_model, build_quantized
+from verispec.models.build import build_model, build_quantized, looked_up
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -228,7 +228,7 @@ def load_directory(directory: Path, dtype: torch.dtype, device: str,
                  if not f.name.startswith(tuple(f"model.{q}." for q in QUANTIZED))]     # any layout's quant cache
         if not files:
             raise InvalidModelFile(directory, "no *.safetensors weight files")
-        model = build_model(cfg, _read_safetensors(files), dtype, device, directory)
+        model = build_model(cfg, _read_safetensors(files, cfg, quantized=False), dtype, device, directory)
         if quant is None:
             return model, tok
         source = Path(meta["source"]) if meta_path.is_file() and meta.get("source") else None
@@ -236,15 +236,21 @@ def load_directory(directory: Path, dtype: torch.dtype, device: str,
         if not (meta_path.is_file() and cached.is_file()):
             return model, tok                   # nowhere to keep it: the weights stay where quantizing left them
         del model                               # read back what was kept, as every later load does
-    return build_quantized(cfg, _read_safetensors([cached]), quant, device, directory), tok
+    return build_quantized(cfg, _read_safetensors([cached], cfg, quantized=True), quant, device, directory), tok
 
 
-def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    """The files' tensors, in 2 MiB pages where the machine allows (loaders/safetensors_file.py)."""
+def _read_safetensors(files: list[Path], cfg: ModelConfig, quantized: bool) -> dict[str, torch.Tensor]:
+    """The files' tensors, in 2 MiB pages where the machine allows (loaders/safetensors_file.py), but for
+    the token embedding's, which stay where a lookup reads them on first touch."""
     state: dict[str, torch.Tensor] = {}
+    try:
+        names = [name for f in files for name in read_header(f)[1]]
+    except OSError as exc:
+        raise InvalidModelFile(files[0], f"cannot read safetensors ({exc})") from None
+    by_rows = looked_up(names, cfg, quantized)
     for f in files:
         try:
-            state.update(read_safetensors(f))
+            state.update(read_safetensors(f, by_rows))
         except InvalidModelFile:
             raise
         except Exception as exc:

@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 
 from verispec.errors import InvalidModelFile
-from verispec.huge_pages import copy_to_huge, map_file, worth_copying
+from verispec.huge_pages import copy_to_huge, forget_head, map_huge, no_readahead, worth_copying
 
 DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
           "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
@@ -36,6 +37,7 @@ def read_header(path: Path) -> tuple[int, dict[str, tuple[torch.dtype, tuple[int
     every entry checked against the file's size; InvalidModelFile names the first that is wrong."""
     size = path.stat().st_size
     with path.open("rb") as f:
+        no_readahead(f)                         # a header read must not leave the file in small folios
         head = f.read(8)
         if len(head) < 8:
             raise InvalidModelFile(path, f"{size} bytes: too short for a safetensors header")
@@ -43,6 +45,7 @@ def read_header(path: Path) -> tuple[int, dict[str, tuple[torch.dtype, tuple[int
         if not 0 < n <= min(MAX_HEADER, size - 8):
             raise InvalidModelFile(path, f"header length {n} does not fit a file of {size} bytes")
         text = f.read(n)
+        forget_head(f, 8 + n)
     try:
         header = json.loads(text.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -87,24 +90,48 @@ def _entry(path: Path, name: str, entry: object, data_size: int) -> tuple[torch.
     return torch_dtype, tuple(shape), begin, end
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path, by_rows: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """Every tensor of the file, in 2 MiB pages where the machine allows (verispec/huge_pages.py): views
-    of the file mapped in huge pages, else of a copy of its data section in anonymous huge-page memory.
-    A tensor whose offset does not suit its dtype gets a copy of its own."""
+    of the file mapped in huge pages, else of copies in anonymous huge-page memory. The tensors named in
+    `by_rows`, of which a pass reads a few rows (the token embedding), stay in the file's plain mapping
+    and are read from it on first touch, so that they take memory only for the rows used. A tensor
+    whose offset does not suit its dtype gets a copy of its own."""
     if sys.byteorder != "little":
         raise InvalidModelFile(path, "safetensors data is little-endian and this machine is not")
     start, entries = read_header(path)
     end = start + max((e for _, _, _, e in entries.values()), default=0)
-    mapped = map_file(path)
+    mapped = map_huge(path, _streamed(entries, start, set(by_rows)))
     if mapped.raw.numel() < end:
         raise InvalidModelFile(path, "the file ended inside its data section")
-    data = copy_to_huge(mapped, start, end) if worth_copying(mapped) else mapped.raw[start:end]
+    sources = [(0, mapped.raw.numel(), mapped.raw)]                       # (file offset, end, bytes)
+    if worth_copying(mapped):
+        sources = [(lo, hi, copy_to_huge(mapped, lo, hi)) for lo, hi in mapped.hot] + sources
     del mapped
     tensors = {}
     for name, (dtype, shape, begin, stop) in entries.items():
         if begin == stop:
             tensors[name] = torch.empty(shape, dtype=dtype)
             continue
-        raw = data[begin:stop]
+        begin, stop = begin + start, stop + start
+        lo, data = next((lo, data) for lo, hi, data in sources if lo <= begin and stop <= hi)
+        raw = data[begin - lo:stop - lo]
         tensors[name] = (raw if raw.data_ptr() % dtype.itemsize == 0 else raw.clone()).view(dtype).view(shape)
     return tensors
+
+
+def _streamed(entries: dict, start: int, by_rows: set[str]) -> list[tuple[int, int]]:
+    """The file's byte ranges that hold the tensors not in by_rows: runs of them in file order, each
+    run ending where a by_rows tensor lies."""
+    runs: list[tuple[int, int]] = []
+    last_cold = True
+    for name, (_, _, begin, stop) in sorted(entries.items(), key=lambda item: item[1][2]):
+        if stop == begin:
+            continue
+        if name in by_rows:
+            last_cold = True
+        elif last_cold:
+            runs.append((start + begin, start + stop))
+            last_cold = False
+        else:
+            runs[-1] = (runs[-1][0], start + stop)
+    return runs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from verispec.config import ModelConfig
@@ -27,6 +29,16 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device=device, dtype=dtype).eval()
+
+
+def looked_up(names: Iterable[str], cfg: ModelConfig, quantized: bool) -> frozenset[str]:
+    """The tensors of a state that a pass reads by rows, one per token: the token embedding's, unless
+    it is also the LM head (a float model with tied embeddings, see build_model, or a state without an
+    LM head of its own). The loader leaves them out of huge pages (loaders/safetensors_file.py)."""
+    names = list(names)
+    if (cfg.tie_word_embeddings and not quantized) or not any(n.startswith("lm_head.") for n in names):
+        return frozenset()
+    return frozenset(n for n in names if n.startswith("model.embed_tokens."))
 
 
 def build_quantized(cfg: ModelConfig, state: dict[str, torch.Tensor], quant: str,
