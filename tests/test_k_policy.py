@@ -403,6 +403,44 @@ def test_a_calibrated_draft_cost_keeps_a_dear_draft_from_drafting():
     assert calibrated.costs.c_q("draft") == pytest.approx((0.6 * 0.036 + 0.0036) / 2)   # prior counts as one
 
 
+def test_a_draft_priced_out_by_its_cold_first_steps_drafts_again():
+    """A source is measured only in rounds it drafts: after the weights were read from disk, the 0.5B's
+    first two steps cost up to 4x its calibrated 0.22 of a pass, `auto` stopped drafting, the tokens the
+    draft would have to catch up on grew with every round, and it was never tried again (a code edit
+    at 0.6x its usual speed for the process's life). Unmeasured, a calibrated source's estimate returns
+    to its prior pass by pass, so the draft is tried again and, costing what the calibration says,
+    keeps drafting; an uncalibrated source keeps what it measured."""
+    from verispec.engine.cost_model import RELAX
+
+    def policy(calibrated: bool) -> KPolicy:
+        p = KPolicy("auto")
+        p.costs.seed({2: 1.05, 3: 1.1, 5: 1.2, 9: 1.8})
+        p.costs.record_verify(1, 0.045)
+        p.shared[("draft", "greedy")] = [0.7] * p.k_max
+        if calibrated:
+            p.costs.seed_propose("draft", 0.22)
+        return p
+
+    p, free = policy(True), policy(False)
+    assert p.choose(0, "draft", remaining=400) > 0
+    for q in (p, free):
+        for _ in range(2):
+            q.costs.record_propose("draft", 4, 4 * 4 * 0.22 * 0.045)          # cold: 40 ms a token
+    measured, backlog = free.costs.c_q("draft"), 1
+    while p.choose(0, "draft", remaining=400 - backlog, backlog=backlog) == 0:
+        p.costs.record_verify(1, 0.045)                                       # plain rounds meanwhile
+        free.costs.record_verify(1, 0.045)
+        backlog += 1
+        assert backlog < 300, "the draft was never tried again"
+    assert RELAX > 0 and 10 < backlog <= 80
+    assert free.costs.c_q("draft") == measured
+    for _ in range(20):                                                       # it costs what calibration said
+        p.costs.record_propose("draft", 4, 4 * 0.22 * 0.045)
+        p.costs.record_verify(5, 0.045 * 1.2)
+    assert p.choose(0, "draft", remaining=300) > 0
+    assert p.costs.c_q("draft") == pytest.approx(0.22 * 0.045, rel=0.05)
+
+
 def test_draft_step_ratio_is_measured_once(tmp_path, monkeypatch):
     from conftest import tiny_model
     from verispec.engine import calibrate
