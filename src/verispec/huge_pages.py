@@ -118,21 +118,31 @@ def map_huge(path: Path, hot: list[tuple[int, int]] | None = None) -> MappedFile
     if not worth_copying(mapped):
         return mapped
     del mapped                                  # unmapped: its pages may leave the page cache
-    drop_page_cache(path)
+    with open(path, "rb") as f:                 # nothing to write out: only read, so no fsync
+        _fadvise(f, 0, 0, "POSIX_FADV_DONTNEED")
     return map_file(path, hot)
 
 
 def forget_head(f: BinaryIO, nbytes: int) -> None:
     """Drop from the page cache what a read of the first nbytes of f left there (f opened with
     no_readahead), so that those small folios do not keep the file's first 2 MiB out of a huge page."""
-    if hasattr(os, "posix_fadvise"):            # whole pages: the kernel keeps a page the range ends inside
-        os.posix_fadvise(f.fileno(), 0, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, os.POSIX_FADV_DONTNEED)
+    _fadvise(f, 0, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE,   # whole pages: the kernel keeps a page
+             "POSIX_FADV_DONTNEED")                                 # the range ends inside
 
 
 def no_readahead(f: BinaryIO) -> None:
     """Read f without readahead (only the pages read enter the page cache, in small folios)."""
+    _fadvise(f, 0, 0, "POSIX_FADV_RANDOM")
+
+
+def _fadvise(f: BinaryIO, offset: int, length: int, advice: str) -> None:
+    """posix_fadvise where the OS has it; advice only, so a filesystem that refuses it changes nothing
+    else (the file still reads, in whatever pages the kernel gives it)."""
     if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        try:
+            os.posix_fadvise(f.fileno(), offset, length, getattr(os, advice))
+        except OSError:
+            pass
 
 
 def worth_copying(mapped: MappedFile) -> bool:
@@ -149,7 +159,7 @@ def drop_page_cache(path: Path) -> None:
         return
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        _fadvise(f, 0, 0, "POSIX_FADV_DONTNEED")
 
 
 def huge_fraction(t: torch.Tensor) -> float:

@@ -243,10 +243,12 @@ def _read_safetensors(files: list[Path], cfg: ModelConfig, quantized: bool) -> d
     """The files' tensors, in 2 MiB pages where the machine allows (loaders/safetensors_file.py), but for
     the token embedding's, which stay where a lookup reads them on first touch."""
     state: dict[str, torch.Tensor] = {}
-    try:
-        names = [name for f in files for name in read_header(f)[1]]
-    except OSError as exc:
-        raise InvalidModelFile(files[0], f"cannot read safetensors ({exc})") from None
+    names: list[str] = []
+    for f in files:
+        try:
+            names += read_header(f)[1]
+        except OSError as exc:
+            raise InvalidModelFile(f, f"cannot read safetensors ({exc})") from None
     by_rows = looked_up(names, cfg, quantized)
     for f in files:
         try:
