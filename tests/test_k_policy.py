@@ -343,15 +343,87 @@ def test_width_ratios_are_measured_once_and_then_read_back(tmp_path, monkeypatch
     from verispec.engine import calibrate
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibrate, "pass_costs", seconds_of(QUIET)[0])     # real timings: test_real_models
     model = tiny_model(0)
     first = calibrate.width_ratios(model, "tiny", widths=(2, 4), repeats=1)
     assert set(first) == {2, 4} and all(r > 0 for r in first.values())
     monkeypatch.setattr(calibrate, "pass_costs", lambda *a, **k: pytest.fail("measured twice"))
     assert calibrate.width_ratios(model, "tiny", widths=(2, 4)) == first
     (tmp_path / "calibration.json").write_text("{not json")        # a corrupt file is measured again
+    monkeypatch.setattr(calibrate, "pass_costs", seconds_of(QUIET)[0])
+    assert set(calibrate.width_ratios(model, "tiny", widths=(2, 4), repeats=1)) == {2, 4}
+
+
+# c_p(n) / c_p(1) as a Zen 4 stored them at its first run, beside a compiler on both cores, and as its
+# quiet passes give them (verispec profile, the same machine, the same day).
+BUSY = {2: 0.568, 3: 0.257, 4: 0.570, 5: 0.525, 6: 0.575, 8: 0.612, 12: 1.079, 17: 1.415}
+QUIET = {2: 0.99, 3: 1.01, 4: 0.99, 5: 1.05, 6: 1.24, 8: 1.55, 12: 2.10, 17: 2.90}
+
+
+def seconds_of(ratios: dict[int, float], one: float = 0.03):
+    """A fake calibrate.pass_costs giving these ratios, counting its calls."""
+    calls = []
+
+    def pass_costs(model, widths, *args, **kw):
+        calls.append(widths)
+        widest = max(ratios)                                              # wider: in proportion
+        return {n: one * (1.0 if n == 1 else ratios.get(n, ratios[widest] * n / widest)) for n in widths}
+    return pass_costs, calls
+
+
+def test_ratios_no_quiet_machine_gives_are_implausible():
+    from verispec.engine.calibrate import plausible_ratios
+
+    assert plausible_ratios(QUIET) and plausible_ratios({2: 0.95, 3: 0.95, 4: 1.0})
+    assert not plausible_ratios(BUSY)
+    assert not plausible_ratios({**QUIET, 8: 6.0})       # one width timed in a stall: wider ones look cheap
+
+
+def test_an_implausible_calibration_in_the_file_is_measured_again(tmp_path, monkeypatch):
+    """A calibration stored from busy cores (wide passes priced as nearly free) is not read back: the
+    widths are measured again and the file corrected, so a machine heals at its next start."""
+    from conftest import tiny_model
+    from verispec.engine import calibrate
+    import json
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    model, widths = tiny_model(0), tuple(QUIET)
+    fake, calls = seconds_of(BUSY)
+    monkeypatch.setattr(calibrate, "RATIO_FLOOR", 0.0)                  # an older build: stored as measured
+    monkeypatch.setattr(calibrate, "pass_costs", fake)
+    assert calibrate.width_ratios(model, "tiny", widths=widths) == pytest.approx(BUSY)
     monkeypatch.undo()
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
-    assert set(calibrate.width_ratios(model, "tiny", widths=(2, 4), repeats=1)) == {2, 4}
+    fake, calls = seconds_of(QUIET)
+    monkeypatch.setattr(calibrate, "pass_costs", fake)
+    assert calibrate.width_ratios(model, "tiny", widths=widths) == pytest.approx(QUIET) and len(calls) == 1
+    stored = json.loads((tmp_path / "calibration.json").read_text())
+    assert [{int(n): r for n, r in e.items()} for e in stored.values()] == [pytest.approx(QUIET)]
+
+
+def test_a_calibration_timed_on_busy_cores_is_retried_then_not_kept(tmp_path, monkeypatch):
+    """Implausible ratios are measured again (ATTEMPTS in all); if every attempt is, nothing is stored
+    and the LLM prices passes with its CPU kind's profile, saying why."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_model
+    from verispec import kernels
+    from verispec.engine import calibrate
+    from verispec.engine.cost_model import static_costs
+    from verispec.engine.llm import LLM
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    model, widths = tiny_model(0), tuple(QUIET)
+    busy, calls = seconds_of(BUSY)
+    monkeypatch.setattr(calibrate, "pass_costs", busy)
+    assert calibrate.width_ratios(model, "tiny", widths=widths) is None
+    assert len(calls) == calibrate.ATTEMPTS and not (tmp_path / "calibration.json").exists()
+    with pytest.warns(RuntimeWarning, match="could not be timed consistently"):
+        ratios = LLM._width_ratios(SimpleNamespace(name="tiny", model=model), False)
+    assert ratios == dict(static_costs(kernels.active_variant()).ratios)
+    answers = iter([BUSY, QUIET])                                       # a second attempt on quiet cores
+    monkeypatch.setattr(calibrate, "pass_costs", lambda m, w, **kw: seconds_of(next(answers))[0](m, w))
+    assert calibrate.width_ratios(model, "tiny", widths=widths) == pytest.approx(QUIET)
 
 
 def test_one_calibration_stored_keeps_the_others(tmp_path, monkeypatch):
@@ -361,6 +433,7 @@ def test_one_calibration_stored_keeps_the_others(tmp_path, monkeypatch):
     from verispec.engine import calibrate
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibrate, "pass_costs", seconds_of(QUIET)[0])
     target, draft = tiny_model(0), tiny_model(1)
     widths = calibrate.width_ratios(target, "tiny", widths=(2, 4), repeats=1)
     step = calibrate.draft_step_ratio(target, draft, "tiny|draft", repeats=1)
@@ -380,6 +453,7 @@ def test_a_rebuilt_kernel_is_calibrated_again(tmp_path, monkeypatch):
     model = tiny_model(0)
     machine = kernels.machine()
     monkeypatch.setattr(kernels, "machine", lambda: {**machine, "kernel_build": "build-a"})
+    monkeypatch.setattr(calibrate, "pass_costs", seconds_of(QUIET)[0])
     calibrate.width_ratios(model, "tiny", widths=(2,), repeats=1)
     monkeypatch.setattr(calibrate, "pass_costs", lambda *a, **k: {1: 1.0, 2: 1.5})
     assert calibrate.width_ratios(model, "tiny", widths=(2,)) != {2: 1.5}        # same build: read back

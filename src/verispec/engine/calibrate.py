@@ -23,6 +23,13 @@ from verispec.models.quant import BlockLinear
 
 # Widths measured once (sparse; the policy interpolates between them): K + 1 for K up to 64.
 CALIBRATION_WIDTHS = (2, 3, 4, 5, 6, 8, 12, 17, 24, 33, 48, 65)
+# A wider pass reads every weight a 1-token pass reads and computes more: quiet calibrations give 0.95–1.05
+# at 2–5 rows and more beyond. Ratios far below that were timed while something else held the cores —
+# measured: a first run beside a compiler stored c_p(3) = 0.26 and c_p(8) = 0.61 × c_p(1) where quiet
+# passes give 1.01 and 1.55, and since calibrated ratios stay fixed, `auto` drafted as if wide passes were
+# nearly free for the machine's life. Such a measurement is taken again (ATTEMPTS in all), never kept.
+RATIO_FLOOR = 0.8
+ATTEMPTS = 3
 
 
 def rounds_line(what: str):
@@ -178,15 +185,34 @@ def c_p_at(c_p: dict[int, float], n: int) -> float:
 
 
 
-def width_ratios(model: Transformer, key: str, widths=CALIBRATION_WIDTHS, repeats: int = 3,
-                 on_round=None) -> dict[int, float]:
-    """c_p(n) / c_p(1) for each width, from the calibration file when it has `key` (with the machine's
-    kernel build and threads added), else measured now and stored."""
-    def measure() -> dict[int, float]:
-        seconds = pass_costs(model, [1, *widths], repeats=repeats, on_round=on_round)
-        return {n: seconds[n] / seconds[1] for n in widths}
+def plausible_ratios(ratios: dict[int, float]) -> bool:
+    """Whether c_p(n) / c_p(1) by width could come from a quiet machine: none below RATIO_FLOOR, and
+    none below RATIO_FLOOR × the dearest narrower width's (a spike that made one width dear)."""
+    dearest = 1.0
+    for n in sorted(ratios):
+        if ratios[n] < RATIO_FLOOR * dearest:
+            return False
+        dearest = max(dearest, ratios[n])
+    return True
 
-    return {int(n): r for n, r in _calibrated(f"{key}|{','.join(map(str, widths))}", measure).items()}
+
+def width_ratios(model: Transformer, key: str, widths=CALIBRATION_WIDTHS, repeats: int = 3,
+                 on_round=None) -> dict[int, float] | None:
+    """c_p(n) / c_p(1) for each width, from the calibration file when it has `key` (with the machine's
+    kernel build and threads added) and its ratios are plausible, else measured now (up to ATTEMPTS
+    times, until plausible) and stored. None when no attempt was: nothing is stored, and the next
+    process measures again."""
+    def measure() -> dict[int, float] | None:
+        for _ in range(ATTEMPTS):
+            seconds = pass_costs(model, [1, *widths], repeats=repeats, on_round=on_round)
+            ratios = {n: seconds[n] / seconds[1] for n in widths}
+            if plausible_ratios(ratios):
+                return ratios
+        return None
+
+    entry = _calibrated(f"{key}|{','.join(map(str, widths))}", measure,
+                        lambda stored: plausible_ratios({int(n): r for n, r in stored.items()}))
+    return None if entry is None else {int(n): r for n, r in entry.items()}
 
 
 def alternated_steps(target: Transformer, draft: Transformer, vocabs: dict, repeats: int, context: int = 128,
@@ -214,9 +240,10 @@ def draft_step_ratio(target: Transformer, draft: Transformer, key: str, repeats:
     return _calibrated(f"draft step|{key}{head}", measure)["ratio"]
 
 
-def _calibrated(key: str, measure) -> dict:
+def _calibrated(key: str, measure, plausible=None) -> dict | None:
     """The calibration file's entry for key (with the machine's CPU, kernel variant and build, and threads
-    added, so that a rebuilt kernel is measured again), or measure() now and store it."""
+    added, so that a rebuilt kernel is measured again) where plausible(entry) holds, or measure() now and
+    store it (nothing stored when measure() gives None)."""
     from verispec.kernels import machine
 
     info = machine()
@@ -230,11 +257,13 @@ def _calibrated(key: str, measure) -> dict:
     stored = stored if isinstance(stored, dict) else {}     # other keys' entries are kept when one is added
     try:
         entry = {k: float(v) for k, v in stored[full_key].items()}
-        if entry and all(v > 0 for v in entry.values()):
+        if entry and all(v > 0 for v in entry.values()) and (plausible is None or plausible(entry)):
             return entry
     except (KeyError, ValueError, TypeError, AttributeError):
         pass
     entry = measure()
+    if entry is None:
+        return None
     stored[full_key] = entry
     write_json(path, stored)                                 # a read-only cache: measure again next time
     return entry

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
@@ -183,11 +184,18 @@ class LLM:
 
     @staticmethod
     def _width_ratios(target: LoadedModel, progress: bool) -> dict[int, float]:
-        """This machine's c_p(n) / c_p(1) for the target (measured once, then read from the cache)."""
+        """This machine's c_p(n) / c_p(1) for the target (measured once, then read from the cache); this
+        CPU kind's profile, with a warning, when the passes could not be timed consistently."""
         from verispec.engine.calibrate import rounds_line, width_ratios
 
         say = rounds_line("measuring pass widths for the K policy (once per machine)") if progress else None
-        return width_ratios(target.model, _format_key(target), on_round=say)
+        ratios = width_ratios(target.model, _format_key(target), on_round=say)
+        if ratios is None:
+            warnings.warn("verispec: passes of different widths could not be timed consistently (another process "
+                          "busy on the cores?); --k auto prices them with this CPU kind's profile, and the next "
+                          "start measures again", RuntimeWarning, stacklevel=2)
+            ratios = dict(static_costs(kernels.active_variant()).ratios)
+        return ratios
 
     # -- proposers ------------------------------------------------------------------------
     def _build_index(self, corpus) -> "CorpusIndex":
