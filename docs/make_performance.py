@@ -317,7 +317,9 @@ def formats_section(formats: dict | None) -> list[str]:
         bandwidth = 35e9 if avx512 else 20e9     # Zen 4 ~25–45 GB/s, Zen 3 ~20 GB/s
         floor = f"~{bandwidth / 1e9:.0f} GB/s (this machine kind's 2-thread read bandwidth)"
     out += [f"Command: `python docs/measure_formats.py`. Environment: {env_line(formats)}. Decode tok/s: plain "
-            "greedy, 64 tokens, prefill excluded, median of 5, the formats alternated. Quality: against fp32 on a fixed 150-token text. "
+            "greedy, 64 tokens, prefill excluded, median of 5, the formats alternated. Quality: against fp32 on a fixed "
+            "150-token text. Load: `LLM(...)` with the format's cache file already written (files made before "
+            "2026-12-07 may count writing it: tens of seconds). "
             f"Bandwidth floor: bytes of weights read per token ÷ {floor}.", ""]
     bytes_per_param = {"float32": 4, "bfloat16": 2, "int8": 1, "int4": 0.60, "int4-all": 0.58}  # older files: no step_mb
     params = {"qwen2.5-coder-0.5b-instruct": 0.494e9 + 0.136e9, "qwen2.5-coder-1.5b-instruct": 1.54e9 + 0.233e9}

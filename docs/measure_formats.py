@@ -4,6 +4,8 @@
 
 - decode tok/s: plain greedy decoding, 64 new tokens after a chat prompt, prefill excluded,
   median of 5 runs after one warm-up (`RequestOutput.tokens_per_s`), the formats alternated;
+- load: seconds to `LLM(...)` the format, its cache file already written (a first load, untimed, writes it
+  on a machine's first use of the format);
 - quality: top-1 agreement and mean KL(fp32 ‖ format) of the next-token distributions at every
   position of a fixed 150-token text (code and prose);
 - KV cache formats (default weights, `--kv-dtype`): quality against the float32 cache, decode
@@ -56,6 +58,7 @@ def decode_speeds(name: str, rounds: int = 5) -> dict:
 
     llms, load = {}, {}
     for fmt in FORMATS:
+        LLM(name, proposer="none", dtype=fmt)    # a machine's first use of a format writes its cache file: not timed
         t = time.perf_counter()
         llms[fmt] = LLM(name, proposer="none", dtype=fmt)
         load[fmt] = time.perf_counter() - t
