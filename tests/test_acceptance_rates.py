@@ -38,3 +38,24 @@ def test_a_pooled_estimate_counts_every_verified_draft():
     e.update(proposed=8, accepted=3)                  # 3 accepted, the 4th rejected: 4 verified
     rate = ((1 - EMA) * 0.8 * POOLED_PRIOR + 3) / ((1 - EMA) * POOLED_PRIOR + 4)
     assert e.rates == [pytest.approx(rate)] * 8
+
+
+def test_a_draft_models_estimate_outlasts_a_short_run_of_misses():
+    """A draft model's misses rarely cluster, so five in a row after a long good stretch must not stop it
+    drafting (at EMA's 0.2 its first position fell below what a draft step costs, K = 0 for ~30 tokens);
+    a lookup's estimate, whose matches end abruptly, keeps the faster EMA and falls further."""
+    from verispec.engine.acceptance_rates import MODEL_EMA, source_ema
+    from verispec.engine.cost_model import STATIC_AVX512
+    from verispec.engine.k_policy import choose_k
+
+    assert source_ema("draft") == MODEL_EMA < EMA == source_ema("ngram:3") == source_ema("head")
+    draft, lookup = AcceptanceEstimate.prior("draft", 4), AcceptanceEstimate.prior("ngram:3", 4)
+    for e in (draft, lookup):
+        for _ in range(8):                          # a stretch agreeing at 0.8
+            for accepted in (1, 1, 1, 1, 0):
+                e.update(proposed=1, accepted=accepted)
+        for _ in range(5):
+            e.update(proposed=1, accepted=0)
+    assert lookup.rates[0] < draft.rates[0]
+    c_q = STATIC_AVX512.c_q["draft"]
+    assert choose_k(draft.rates, STATIC_AVX512.c_p, c_q, 4) > 0

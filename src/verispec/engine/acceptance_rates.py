@@ -21,6 +21,16 @@ LOOKUP_PRIOR_RATE = {"1": 0.2, "2": 0.5, "3": 0.7, "4-7": 0.75, "8-15": 0.8, "16
 # per position, 64 pooled, alternated in one process).
 POOLED_SOURCES = ("ngram:8-15", "ngram:16+")
 POOLED_PRIOR = 4.0        # a pooled estimate's prior counts as this many verified drafts
+# A draft model's agreement with the target moves little along an answer: misses rarely cluster (on
+# greedy answers to the bundled suite and 20 MT-Bench first turns, the 0.5B, run over each answer, agreed
+# with its next token at 0.76 of positions overall, 0.72 after one miss, 0.68 after two, 0.87 after
+# three), so its per-position rates settle at a slower EMA than a lookup's, whose matches start and end
+# abruptly. At EMA's 0.2, five misses in a row took the draft's first position from 0.9 to 0.3, below
+# what a draft step costs, and K stayed 0 for ~30 tokens until a probe. Replayed on those answers with
+# fixed costs (the draft alone), 0.1 gave 1.49 -> 1.53x (AVX-512) and 1.31 -> 1.34x (AVX2):
+# docs/PERFORMANCE_LOG.md. Heads ("head") are not measured and keep EMA.
+MODEL_SOURCES = ("draft",)
+MODEL_EMA = 0.1
 PROBE_EVERY = 16          # after this many K = 0 rounds, try K = 1 once to refresh the estimate …
 PROBE_MAX = 256           # … doubling the wait after each probe that did not revive speculation
 
@@ -32,6 +42,11 @@ def prior_rate(source: str) -> float:
     if bucket in LOOKUP_PRIOR_RATE:
         return LOOKUP_PRIOR_RATE[bucket]
     return PRIOR_RATE.get(name, 0.5)
+
+
+def source_ema(source: str) -> float:
+    """The EMA weight a source's acceptance settles at: MODEL_EMA for a draft model, EMA else."""
+    return MODEL_EMA if source.split(":")[0] in MODEL_SOURCES else EMA
 
 
 @dataclass
@@ -51,6 +66,7 @@ class AcceptanceEstimate:
     pooled: bool = False      # one rate for every position: accepted / verified drafts, per round EMA
     hits: float = 0.0         # pooled: decayed counts of accepted and of verified drafts
     verified: float = 0.0
+    ema: float = EMA          # the weight a new outcome settles at (source_ema)
 
     def __post_init__(self):
         self.seen = self.seen or [0] * len(self.rates)
@@ -69,15 +85,16 @@ class AcceptanceEstimate:
         """rate: the fixed prior (default prior_rate(source))."""
         rate = prior_rate(source) if rate is None else rate
         return cls(list(shared) if shared else [rate] * k_max, regime=regime, cap=cap,
-                   pooled=source in POOLED_SOURCES)
+                   pooled=source in POOLED_SOURCES, ema=source_ema(source))
 
     def update(self, proposed: int, accepted: int) -> None:
         """Positions 0 … min(accepted, proposed−1) were reached; those < accepted were accepted.
 
         The prior counts as PRIOR_WEIGHT observations: the n-th observation of a position weighs
-        1 / (PRIOR_WEIGHT + n) — the running mean of prior and outcomes — until that falls to EMA,
-        which then keeps the estimate moving. A sequence thus leaves a wrong prior after one or two
-        rounds instead of four or five (each a verify pass wider than plain decoding's).
+        1 / (PRIOR_WEIGHT + n) — the running mean of prior and outcomes — until that falls to its
+        `ema` (source_ema), which then keeps the estimate moving. A sequence thus leaves a wrong
+        prior after one or two rounds instead of four or five (each a verify pass wider than plain
+        decoding's).
         Positions never reached yet follow the deepest observed one, so a proposer that is always
         accepted at K gets to try K+1 instead of being held back by the prior.
 
@@ -95,7 +112,7 @@ class AcceptanceEstimate:
         for i in range(depth):
             hit = 1.0 if i < accepted else 0.0
             self.seen[i] += 1
-            self.rates[i] = running(self.rates[i], hit, self.seen[i], PRIOR_WEIGHT)
+            self.rates[i] = running(self.rates[i], hit, self.seen[i], PRIOR_WEIGHT, self.ema)
         for i in range(self.reached, len(self.rates)):
             self.rates[i] = self.rates[self.reached - 1]
         self._apply_cap()
