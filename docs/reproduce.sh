@@ -22,6 +22,8 @@ verispec bench --modes head,hybrid+head,ngram --ks auto,3 --temperatures 0,0.7 -
 verispec profile --json $R/profile.json > $R/profile.txt
 # What choosing the token costs after the pass: greedy, sampled with top-k / top-p, a verify round.
 python docs/measure_sampling.py --out $R/sampling.json
+# How the draft model agrees with the target along answers, and the K policy replayed on that agreement.
+python docs/measure_draft_agreement.py --out $R/draft-agreement.json
 # Draft model K sweep (greedy) on a third of the suite.
 verispec bench --modes draft --ks 1,2,4,6 --temperatures 0 --limit 4 --max-tokens 32 \
     --json $R/bench-ksweep.json --markdown $R/bench-ksweep.md --plot $R/plots-ksweep

@@ -88,3 +88,59 @@ def test_recorded_answers_round_trip_and_bad_files_are_named(tmp_path):
     (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(VerispecError, match="cannot read recorded answers"):
         load(tmp_path / "binary.jsonl")
+
+
+def agreement_answers(pattern: list[list[bool]], category: str = "text") -> list[Answer]:
+    """Answers of arbitrary tokens for a draft replay: only their agreement matters."""
+    return [Answer(f"a{i}", category, [1, 2, 3], list(range(100, 100 + len(p))), None) for i, p in enumerate(pattern)]
+
+
+def test_a_draft_model_is_replayed_from_its_agreement():
+    """A draft that always agrees is accepted whole in long rounds; one that never does is soon left
+    out (K = 0 rounds but for probes); K = 0 throughout costs exactly plain decoding."""
+    from verispec.bench.replay import replay_draft
+
+    agree = [[True] * 300]
+    got = replay_draft(agreement_answers(agree), agree, STATIC_AVX512)["all"]
+    assert got.accepted == got.proposed > 240 and got.speedup > 2.2
+    never = [[False] * 300]
+    got = replay_draft(agreement_answers(never), never, STATIC_AVX2)["all"]
+    assert got.accepted == 0 and got.proposed < 20 and got.speedup > 0.95
+    assert replay_draft(agreement_answers(agree), agree, STATIC_AVX2, KPolicy(0))["all"].speedup == 1.0
+
+
+def test_a_short_run_of_misses_does_not_stop_a_draft_that_mostly_agrees(monkeypatch):
+    """Agreement at 0.8 (every fifth token missed), then five misses in a row, then 0.8 again: where
+    extra rows are nearly free (AVX-512) the draft's slower EMA drafts on through the run, where the
+    lookups' EMA stopped it for the 16 rounds until a probe."""
+    from verispec.bench.replay import replay_draft
+    from verispec.engine import acceptance_rates
+    from verispec.engine.ema import EMA
+
+    good = [t % 5 != 4 for t in range(100)]
+    pattern = [good + [False] * 5 + good]
+    answers = agreement_answers(pattern)
+    slow = replay_draft(answers, pattern, STATIC_AVX512)["all"]
+    monkeypatch.setattr(acceptance_rates, "MODEL_EMA", EMA)
+    fast = replay_draft(answers, pattern, STATIC_AVX512)["all"]
+    assert slow.rounds - slow.speculative <= 2 < 16 <= fast.rounds - fast.speculative
+    assert slow.speedup > 1.03 * fast.speedup
+
+
+@pytest.mark.real
+def test_a_model_agrees_with_its_own_greedy_answer_token_for_token(real_pair):
+    """draft_agreement on real weights: the 0.5B's own greedy answer is its greedy choice at every token
+    (one pass over prompt and answer scores what decoding chose step by step), and the same answer
+    moved on by one token is not."""
+    from verispec import LLM, SamplingParams
+    from verispec.bench.replay import draft_agreement
+
+    _, draft = real_pair
+    prompt = draft.tokenizer.encode("def quicksort(arr):")
+    out = LLM(draft, proposer="none").generate([prompt], SamplingParams(temperature=0, max_tokens=24,
+                                                                        ignore_eos=True))[0].token_ids
+    own = Answer("own", "code", prompt, list(out), None)
+    moved = Answer("moved", "code", prompt, list(out[1:]) + [out[0]], None)
+    agree_own, agree_moved = draft_agreement(draft.model, [own, moved])
+    assert agree_own == [True] * len(out)
+    assert not all(agree_moved)

@@ -10,6 +10,11 @@ profile's c_p(K+1) per round instead of a timing, and plain decoding's is c_p(1)
 the ratio is the accounted speedup (bench/costs.py) of a run on that kind of machine. Left out:
 token-tree alternatives (the primary chain only) and the first round's riding on the prefill pass
 (it is priced as a pass of its own, which is dearer).
+
+A draft model is replayed from its recorded agreement instead (draft_agreement, replay_draft): greedy
+drafts from the answer so far are the answer's tokens for as long as the draft's greedy choice after
+each prefix is the answer's next token, so one pass of the draft over prompt and answer settles every
+round K could ask for.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import torch
+
 from verispec.bench.records import Invalid, parse_records
 from verispec.engine.cost_model import StaticCosts
 from verispec.engine.k_policy import KPolicy
@@ -26,6 +33,7 @@ from verispec.engine.metrics import SpecMetrics
 from verispec.engine.params import SamplingParams
 from verispec.engine.sequence import Sequence
 from verispec.errors import VerispecError
+from verispec.models import KVCache, Transformer
 from verispec.proposers.ngram import NgramProposer
 
 
@@ -139,3 +147,58 @@ def _replay_one(a: Answer, max_tokens: int, costs: StaticCosts, policy: KPolicy,
     proposer.release([seq.slot])
     policy.forget_slot(seq.slot)
     policy.finished(len(seq.generated), not seq.finished or seq.finish_reason == "length")
+
+
+def draft_agreement(draft: Transformer, answers: list[Answer], vocab: torch.Tensor | None = None,
+                    kv_dtype: torch.dtype | None = None) -> list[list[bool]]:
+    """Per answer, per token: whether the draft model's greedy choice after the prompt and the answer
+    before it (over `vocab`, the token ids its LM head keeps, when given) is that token. One pass of
+    the draft over each prompt and answer."""
+    out = []
+    for a in answers:
+        ids = a.prompt_ids + a.token_ids
+        cache = KVCache.for_model(draft.config, 1, len(ids), draft.dtype, draft.device, kv_dtype)
+        pos = torch.arange(len(ids))[None]                                      # (1, T)
+        rows = torch.arange(len(a.prompt_ids) - 1, len(ids) - 1)[None]          # (1, A): row t scores ids[t + 1]
+        with torch.no_grad():
+            logits, _ = draft.forward_logits(torch.tensor([ids]), pos, cache.view([0], pos), rows, vocab)  # (1, A, V')
+        choice = logits[0].argmax(-1)                                           # (A,)
+        if vocab is not None:
+            choice = vocab[choice]
+        out.append((choice == torch.tensor(a.token_ids)).tolist())
+    return out
+
+
+def replay_draft(answers: list[Answer], agreements: list[list[bool]], costs: StaticCosts,
+                 policy: KPolicy | None = None) -> dict[str, Replayed]:
+    """Each answer decoded with the draft model alone under `policy` (default: K = auto priced with
+    `costs`, its draft step costs.c_q["draft"] × c_p(1)), a round of K drafts at token t accepting
+    the run of agreements from t, up to K. Per category and "all"; a round costs K draft steps and
+    c_p(K + 1). Left out: the draft's catch-up on tokens of K = 0 rounds (a pass over them, cheaper
+    than as many steps)."""
+    policy = policy or KPolicy("auto", static=costs)
+    policy.costs.seed(dict(costs.ratios))
+    policy.costs.record_verify(1, 1.0)                  # the level: a 1-token pass costs 1
+    c_q = costs.c_q["draft"]
+    policy.costs.seed_propose("draft", c_q)
+    out: dict[str, Replayed] = defaultdict(Replayed)
+    for a, agree in zip(answers, agreements):
+        into, t = out[a.category], 0
+        policy.forget()
+        while t < len(agree):
+            k = policy.choose(0, "draft", len(agree) - t)
+            accepted = 0
+            while accepted < k and t + accepted < len(agree) and agree[t + accepted]:
+                accepted += 1
+            policy.costs.record_verify(k + 1, costs.c_p(k + 1))
+            policy.observe(0, "draft", k, accepted)
+            into.rounds += 1
+            into.speculative += k > 0
+            into.proposed += k
+            into.accepted += accepted
+            into.spent += k * c_q + costs.c_p(k + 1)
+            t += accepted + 1
+        into.plain += len(agree)
+        policy.forget_slot(0)
+    out["all"] = Replayed(*(sum(getattr(r, f.name) for r in out.values()) for f in fields(Replayed)))
+    return dict(out)

@@ -21,14 +21,14 @@ LOOKUP_PRIOR_RATE = {"1": 0.2, "2": 0.5, "3": 0.7, "4-7": 0.75, "8-15": 0.8, "16
 # per position, 64 pooled, alternated in one process).
 POOLED_SOURCES = ("ngram:8-15", "ngram:16+")
 POOLED_PRIOR = 4.0        # a pooled estimate's prior counts as this many verified drafts
-# A draft model's agreement with the target moves little along an answer: misses rarely cluster (on
-# greedy answers to the bundled suite and 20 MT-Bench first turns, the 0.5B, run over each answer, agreed
-# with its next token at 0.76 of positions overall, 0.72 after one miss, 0.68 after two, 0.87 after
-# three), so its per-position rates settle at a slower EMA than a lookup's, whose matches start and end
-# abruptly. At EMA's 0.2, five misses in a row took the draft's first position from 0.9 to 0.3, below
-# what a draft step costs, and K stayed 0 for ~30 tokens until a probe. Replayed on those answers with
-# fixed costs (the draft alone), 0.1 gave 1.49 -> 1.53x (AVX-512) and 1.31 -> 1.34x (AVX2):
-# docs/PERFORMANCE_LOG.md. Heads ("head") are not measured and keep EMA.
+# A draft model's agreement with the target moves little along an answer: misses rarely come in runs
+# (the 0.5B over the 1.5B's greedy answers to the bundled suite, 20 MT-Bench first turns and 20 HumanEval
+# prompts agreed at 0.87 of tokens, 0.77 after a miss, 0.69 after two, 0.87 after three; runs of four
+# were 5 in 5,414 tokens), so its per-position rates settle at a slower EMA than a lookup's, whose
+# matches start and end abruptly. At EMA's 0.2, five misses in a row took the draft's first position
+# from 0.94 to 0.31, below what a draft step costs, and K stayed 0 for ~30 tokens until a probe. The
+# draft alone replayed on those answers (docs/measure_draft_agreement.py): 1.63 -> 1.70x with AVX-512
+# costs, 1.36 -> 1.39x with AVX2's (docs/PERFORMANCE_LOG.md). Heads ("head") are not measured: EMA.
 MODEL_SOURCES = ("draft",)
 MODEL_EMA = 0.1
 PROBE_EVERY = 16          # after this many K = 0 rounds, try K = 1 once to refresh the estimate …
