@@ -2,8 +2,9 @@
 
     python docs/measure_draft_agreement.py [--mtbench 20] [--humaneval 20] [--max-tokens 128] [--out FILE]
 
-The 1.5B (default format) answers the bundled suite's prompts, the first MT-Bench first turns and the first
-HumanEval prompts greedily (both need requirements/datasets.txt; 0 leaves a set out). The 0.5B draft, in its default format
+The 1.5B (default format) answers the bundled suite's prompts and a fixed sample of MT-Bench first turns and of
+HumanEval prompts greedily (bench.suites.load_suite's seeded sample; both need requirements/datasets.txt; 0 leaves
+a set out). The 0.5B draft, in its default format
 and vocabulary, then reads each prompt and answer once; at each answer token it agrees when its own greedy
 choice after the text before it is that token (bench/replay.py: draft_agreement). Printed and kept:
 - agreement overall, and after runs of 1, 2, 3 … misses and hits (do misses cluster?);
@@ -47,11 +48,24 @@ def after_runs(agreements: list[list[bool]]) -> dict[str, list[int]]:
     return {k: [seen[k], agreed[k]] for k in sorted(seen)}
 
 
+def count(least: int):
+    """An argparse type: an integer ≥ least, refused with a message before anything is loaded."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is below {least}")
+        return value
+    return parse
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mtbench", type=int, default=20, help="MT-Bench first turns (0: none)")
-    ap.add_argument("--humaneval", type=int, default=20, help="HumanEval prompts (0: none)")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--mtbench", type=count(0), default=20, help="MT-Bench first turns (0: none)")
+    ap.add_argument("--humaneval", type=count(0), default=20, help="HumanEval prompts (0: none)")
+    ap.add_argument("--max-tokens", type=count(1), default=128)
     ap.add_argument("--out", help="write the numbers as JSON here")
     args = ap.parse_args()
 
