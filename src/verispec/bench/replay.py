@@ -59,6 +59,13 @@ class Replayed:
     def speedup(self) -> float:
         return self.plain / self.spent if self.spent else 1.0
 
+    def add_round(self, drafts: int, accepted: int, cost: float) -> None:
+        self.rounds += 1
+        self.speculative += drafts > 0
+        self.proposed += drafts
+        self.accepted += accepted
+        self.spent += cost
+
 
 def record(llm, prompts: list, max_tokens: int) -> list[Answer]:
     """Greedy answers of llm (a verispec.LLM) to bench prompts (suites.BenchPrompt). Decoded past
@@ -102,14 +109,25 @@ def replay(answers: list[Answer], costs: StaticCosts, max_tokens: int | None = N
     prompt lookup and `policy` (default: K = auto priced with `costs`), answers one after another as
     one engine serves them (what the policy learns carries over), `repeats` times over. Per category
     and "all"."""
-    policy = policy or KPolicy("auto", static=costs)
-    policy.costs.seed(dict(costs.ratios))
-    policy.costs.record_verify(1, 1.0)                  # the level: a 1-token pass costs 1
+    policy = _priced(policy, costs)
     proposer = NgramProposer()
     out: dict[str, Replayed] = defaultdict(Replayed)
     for _ in range(repeats):
         for a in answers:
             _replay_one(a, max_tokens or len(a.token_ids) + 1, costs, policy, proposer, out[a.category])
+    return _with_total(out)
+
+
+def _priced(policy: KPolicy | None, costs: StaticCosts) -> KPolicy:
+    """policy (default: K = auto priced with costs), its pass costs seeded from costs at a level of 1."""
+    policy = policy or KPolicy("auto", static=costs)
+    policy.costs.seed(dict(costs.ratios))
+    policy.costs.record_verify(1, 1.0)                  # the level: a 1-token pass costs 1
+    return policy
+
+
+def _with_total(out: dict[str, Replayed]) -> dict[str, Replayed]:
+    """Per category, and their sum as "all"."""
     out["all"] = Replayed(*(sum(getattr(r, f.name) for r in out.values()) for f in fields(Replayed)))
     return dict(out)
 
@@ -138,11 +156,7 @@ def _replay_one(a: Answer, max_tokens: int, costs: StaticCosts, policy: KPolicy,
         width = len(drafts) + 1
         policy.costs.record_verify(width, costs.c_p(width))
         policy.observe(seq.slot, proposal.source[0], len(drafts), accepted)
-        into.rounds += 1
-        into.speculative += bool(drafts)
-        into.proposed += len(drafts)
-        into.accepted += accepted
-        into.spent += costs.c_p(width)
+        into.add_round(len(drafts), accepted, costs.c_p(width))
     into.plain += emitted                                # one 1-token pass per token, the stop token's too
     proposer.release([seq.slot])
     policy.forget_slot(seq.slot)
@@ -176,9 +190,7 @@ def replay_draft(answers: list[Answer], agreements: list[list[bool]], costs: Sta
     the run of agreements from t, up to K. Per category and "all"; a round costs K draft steps and
     c_p(K + 1). Left out: the draft's catch-up on tokens of K = 0 rounds (a pass over them, cheaper
     than as many steps)."""
-    policy = policy or KPolicy("auto", static=costs)
-    policy.costs.seed(dict(costs.ratios))
-    policy.costs.record_verify(1, 1.0)                  # the level: a 1-token pass costs 1
+    policy = _priced(policy, costs)
     c_q = costs.c_q["draft"]
     policy.costs.seed_propose("draft", c_q)
     out: dict[str, Replayed] = defaultdict(Replayed)
@@ -192,13 +204,8 @@ def replay_draft(answers: list[Answer], agreements: list[list[bool]], costs: Sta
                 accepted += 1
             policy.costs.record_verify(k + 1, costs.c_p(k + 1))
             policy.observe(0, "draft", k, accepted)
-            into.rounds += 1
-            into.speculative += k > 0
-            into.proposed += k
-            into.accepted += accepted
-            into.spent += k * c_q + costs.c_p(k + 1)
+            into.add_round(k, accepted, k * c_q + costs.c_p(k + 1))
             t += accepted + 1
         into.plain += len(agree)
         policy.forget_slot(0)
-    out["all"] = Replayed(*(sum(getattr(r, f.name) for r in out.values()) for f in fields(Replayed)))
-    return dict(out)
+    return _with_total(out)
