@@ -28,7 +28,8 @@ POOLED_PRIOR = 4.0        # a pooled estimate's prior counts as this many verifi
 # matches start and end abruptly. At EMA's 0.2, five misses in a row took the draft's first position
 # from 0.94 to 0.31, below what a draft step costs, and K stayed 0 for ~30 tokens until a probe. The
 # draft alone replayed on those answers (docs/measure_draft_agreement.py): 1.63 -> 1.70x with AVX-512
-# costs, 1.36 -> 1.39x with AVX2's (docs/PERFORMANCE_LOG.md). Heads ("head") are not measured: EMA.
+# costs, 1.36 -> 1.39x with AVX2's (docs/PERFORMANCE_LOG.md). The shipped EAGLE head ("head") keeps EMA:
+# replayed on the same answers at 0.1 it gained 1–3 % overall but lost chat, 1.17 -> 1.00x with AVX-512 costs.
 MODEL_SOURCES = ("draft",)
 MODEL_EMA = 0.1
 PROBE_EVERY = 16          # after this many K = 0 rounds, try K = 1 once to refresh the estimate …
