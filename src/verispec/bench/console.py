@@ -39,7 +39,7 @@ def print_summary(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from verispec.bench.run import speedup_range
+    from verispec.bench.run import settings_lines, speedup_range
 
     c = result["costs"]
     console = Console()
@@ -71,3 +71,5 @@ def print_summary(result: dict) -> None:
                       f(r.get("predicted_tau"), "%.2f"), f(r.get("alpha"), "%.2f"),
                       "–" if same is None else ("[green]yes[/]" if same else "[red]NO[/]"))
     console.print(table)
+    for line in settings_lines(result):
+        console.print(line, markup=False, highlight=False)

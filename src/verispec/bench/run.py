@@ -7,11 +7,12 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from verispec.bench.costs import accounted_speedup, predicted_speedup
+from verispec.bench.settings import Setting, applied, parse_settings
 from verispec.engine.calibrate import pass_cost, pass_costs
 from verispec.bench.suites import BenchPrompt
 from verispec.engine.llm import LLM
@@ -25,11 +26,14 @@ class Mode:
     k: int | str         # an integer, or "auto"
     fallback: str = ""   # "head": hybrid falls back on the heads instead of the draft model ("hybrid+head")
     branches: int | str = "auto"   # alternative branches beside a draft ("ngram/b0": chains only, "/b2": up to 2)
+    settings: tuple[Setting, ...] = ()   # tuning constants set while this mode runs (bench/settings.py)
 
     @property
     def label(self) -> str:
         name = f"{self.proposer}+{self.fallback}" if self.fallback else self.proposer
         tail = "" if self.branches == "auto" else f" b={self.branches}"
+        if self.settings:
+            tail += " [" + ";".join(f"{path.rpartition('.')[2]}={value}" for path, value in self.settings) + "]"
         return "plain" if self.proposer == "none" else f"{name} k={self.k}{tail}"
 
     @property
@@ -41,13 +45,35 @@ class Mode:
         return self.proposer == "head" or self.fallback == "head"
 
 
+def split_modes(text: str) -> list[str]:
+    """--modes' comma-separated list, commas inside a mode's [settings] left alone."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [m.strip() for m in out + [cur] if m.strip()]
+
+
 def parse_modes(modes: list[str], ks: list[int | str]) -> list[Mode]:
+    """Mode names (draft, ngram, hybrid, head, hybrid+head), each with an optional /bN suffix and an
+    optional [module.NAME=value;…] of tuning constants set while it runs (bench/settings.py)."""
+    from verispec.errors import VerispecError
+
     out = [Mode("none", 0)]
     for m in modes:
         if m in ("plain", "none"):
             continue
-        from verispec.errors import VerispecError
-
+        settings: tuple[Setting, ...] = ()
+        if "[" in m:
+            m, _, inner = m.partition("[")
+            if not inner.endswith("]"):
+                raise VerispecError(f"mode {m + '[' + inner!r}: settings go in one pair of brackets at its end, "
+                                    "e.g. hybrid[engine.acceptance_rates.MODEL_EMA=0.2]")
+            settings = parse_settings(inner[:-1])
         name, _, tail = m.partition("/")
         proposer, _, fallback = name.partition("+")
         if fallback and (proposer, fallback) != ("hybrid", "head"):
@@ -58,7 +84,10 @@ def parse_modes(modes: list[str], ks: list[int | str]) -> list[Mode]:
                 raise VerispecError(f"unknown mode suffix {tail!r} in {m!r}: /bN (up to N alternative "
                                     "branches, 0 = chains only) or /bauto")
             branches = tail[1:] if tail[1:] == "auto" else int(tail[1:])
-        out += [Mode(proposer, k, fallback, branches) for k in ks]
+        out += [Mode(proposer, k, fallback, branches, settings) for k in ks]
+    labels = [mode.label for mode in out]
+    if len(set(labels)) < len(labels):
+        raise VerispecError(f"--modes names a mode twice ({', '.join(sorted({x for x in labels if labels.count(x) > 1}))})")
     return out
 
 
@@ -76,15 +105,18 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
         from verispec.heads import shipped_heads
 
         head = shipped_heads(target.name)
-    llms = {m: LLM(target, draft=draft if m.needs_draft else None, proposer=m.proposer, k=m.k,
-                   draft_vocab=draft_vocab if m.needs_draft else 0, kv_dtype=kv_dtype,
-                   head=head if m.needs_heads else None, branches=m.branches, draft_stop=draft_stop)
-            for m in modes}
+    llms = {}
+    for m in modes:                     # a mode's settings hold while its LLM is built and while it generates
+        with applied(m.settings):
+            llms[m] = LLM(target, draft=draft if m.needs_draft else None, proposer=m.proposer, k=m.k,
+                          draft_vocab=draft_vocab if m.needs_draft else 0, kv_dtype=kv_dtype,
+                          head=head if m.needs_heads else None, branches=m.branches, draft_stop=draft_stop)
     plain_llm = llms[modes[0]]
     texts = [p.render(plain_llm) for p in prompts]
     costs = measure_costs(target, draft, sorted({m.k for m in modes if isinstance(m.k, int)}))
     for mode in modes:          # warm-up: first calls pay one-off costs that would bias the first mode
-        llms[mode].generate([texts[0]], SamplingParams(temperature=0, max_tokens=4))
+        with applied(mode.settings):
+            llms[mode].generate([texts[0]], SamplingParams(temperature=0, max_tokens=4))
     peers = peers or []
     prompt_ids = [plain_llm.encode(t) for t in texts]
     for peer in peers:
@@ -105,9 +137,10 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
                         # (a seeded request follows the fixed-cost schedule, see KPolicy.choose).
                         params = SamplingParams(temperature=temp, max_tokens=max_tokens, top_k=top_k, top_p=top_p)
                         llms[mode].clear_prefix_cache()          # every repeat prefills its prompt, as peers do
-                        t = time.perf_counter()
-                        outs = llms[mode].generate([texts[i] for i in group], params)
-                        wall = time.perf_counter() - t
+                        with applied(mode.settings):
+                            t = time.perf_counter()
+                            outs = llms[mode].generate([texts[i] for i in group], params)
+                            wall = time.perf_counter() - t
                         for i, o in zip(group, outs):
                             runs.append({"prompt": prompts[i].id, "category": prompts[i].category,
                                          "mode": mode.label, "proposer": mode.proposer, "k": mode.k,
@@ -180,6 +213,11 @@ def summarize(runs: list[dict], modes: list[Mode], costs: dict) -> list[dict]:
                             "decode_speedup": statistics.median(decode) if decode else None}
                 if mode.proposer not in ("none", "peer"):
                     row |= _spec_summary(mine, mode, costs)
+                unset = replace(mode, settings=()) if getattr(mode, "settings", ()) else None
+                if unset in modes:                     # an A/B: against its twin run without the settings
+                    ratios = _paired_ratios(in_cat, mode.label, base=unset.label)
+                    row |= {"against": unset.label, "against_per_repeat": ratios,
+                            "against_speedup": statistics.median(ratios) if ratios else None}
                 if mode.proposer != "none" and temp == 0:
                     ref = {(r["prompt"], r["repeat"]): r["token_ids"] for r in in_cat if r["mode"] == "plain"}
                     row["identical_to_plain"] = all(r["token_ids"] == ref.get((r["prompt"], r["repeat"]))
@@ -211,12 +249,12 @@ def _rate(runs: list[dict], label: str, decode: bool = False) -> float | None:
     return statistics.median(rates) if rates else None
 
 
-def _paired_ratios(runs: list[dict], label: str, decode: bool = False) -> list[float]:
-    """Per repeat, this mode's rate ÷ plain's rate over the same prompts of the same repeat (the two ran
-    interleaved, prompt by prompt): a pair shares the machine's state at that time, so drift between
-    repeats cancels. The reported speedup is the median of these."""
-    mine, plain = _rates_per_repeat(runs, label, decode), _rates_per_repeat(runs, "plain", decode)
-    return [mine[rep] / plain[rep] for rep in sorted(mine) if rep in plain]
+def _paired_ratios(runs: list[dict], label: str, decode: bool = False, base: str = "plain") -> list[float]:
+    """Per repeat, this mode's rate ÷ the base mode's (plain's) rate over the same prompts of the same
+    repeat (the two ran interleaved, prompt by prompt): a pair shares the machine's state at that time,
+    so drift between repeats cancels. The reported speedup is the median of these."""
+    mine, other = _rates_per_repeat(runs, label, decode), _rates_per_repeat(runs, base, decode)
+    return [mine[rep] / other[rep] for rep in sorted(mine) if rep in other]
 
 
 def _spec_summary(runs: list[dict], mode: Mode, costs: dict) -> dict:
@@ -287,7 +325,19 @@ def format_table(result: dict) -> str:
                      f"{f(r.get('acceptance_rate'), '%.0f%%' if False else '%.2f'):>7} {f(r.get('tau'), '%.2f'):>5} "
                      f"{f(r.get('predicted_tau'), '%.2f'):>8} {f(r.get('alpha'), '%.2f'):>6} "
                      f"{str(r.get('identical_to_plain', '-')):>5}")
-    return "\n".join(lines)
+    return "\n".join(lines + settings_lines(result))
+
+
+def settings_lines(result: dict) -> list[str]:
+    """A line per mode run with settings beside its twin without them (an A/B in one process): its rate
+    over the twin's, per repeat and the median, for every category."""
+    lines = []
+    for r in result["summary"]:
+        if r.get("against_per_repeat"):
+            per = ", ".join(f"{x:.3f}" for x in r["against_per_repeat"])
+            lines.append(f"T={r['temperature']} bs={r['batch_size']} {r['category']}: {r['mode']} ÷ {r['against']} "
+                         f"= {r['against_speedup']:.3f} (per repeat {per})")
+    return (["", "with settings against the same mode without them, paired by repeat:"] + lines) if lines else []
 
 
 def machine_line(env: dict) -> str:
@@ -353,4 +403,4 @@ def format_markdown(result: dict) -> str:
                    f"{f(r.get('accounted_speedup'), '%.2fx')} | {f(r.get('predicted_speedup'), '%.2fx')} | "
                    f"{f(r.get('acceptance_rate'), '%.2f')} | {f(r.get('tau'), '%.2f')} | {f(r.get('predicted_tau'), '%.2f')} | "
                    f"{f(r.get('alpha'), '%.2f')} | {r.get('identical_to_plain', '–')} |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out + settings_lines(result)) + "\n"

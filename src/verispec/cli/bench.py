@@ -39,7 +39,10 @@ def add_parser(sub) -> None:
     p.add_argument("--modes", default="draft,ngram", help="comma-separated proposers besides plain: draft, ngram, "
                    "hybrid, head, hybrid+head (lookup, else the heads) (default draft,ngram); each runs at every "
                    "--ks value. A suffix /bN verifies up to N of lookup's alternative continuations beside "
-                   "each draft (/b0: chains only; default: as many as pay, chosen from measured costs)")
+                   "each draft (/b0: chains only; default: as many as pay, chosen from measured costs). A "
+                   "suffix [module.NAME=value;…] runs the mode with verispec's tuning constants set so (e.g. "
+                   "'hybrid,hybrid[engine.acceptance_rates.MODEL_EMA=0.2]': an A/B of a policy change in one "
+                   "process)")
     p.add_argument("--ks", default="4", help="comma-separated K values, integers or 'auto' (default 4)")
     p.add_argument("--temperatures", default="0", help="comma-separated temperatures (default 0)")
     p.add_argument("--top-k", type=int, default=0,
@@ -62,7 +65,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from verispec.bench.console import print_summary, progress_bar
-    from verispec.bench.run import format_markdown, parse_modes, run_bench
+    from verispec.bench.run import format_markdown, parse_modes, run_bench, split_modes
     from verispec.bench.suites import load_suite
     from verispec.loaders.builtin import DEFAULT_DRAFT
     from verispec.engine.loading import draft_auto_dtype, load_model
@@ -82,7 +85,7 @@ def run(args) -> int:
     ks = [k if k == "auto" else _ints(k)[0] for k in args.ks.split(",") if k]
     if any(k != "auto" and not 1 <= k <= 64 for k in ks):
         raise VerispecError("--ks values must be 'auto' or in 1 … 64")
-    modes = parse_modes([m.strip() for m in args.modes.split(",") if m.strip()], ks)
+    modes = parse_modes(split_modes(args.modes), ks)
     prompts = load_suite(args.prompts, args.limit)
     target = load_model(args.model, args.dtype, args.device, progress=True)
     draft = None
