@@ -1,7 +1,7 @@
 """Settings of verispec's own tuning constants for one bench mode: an A/B of a policy change inside one
 process (`verispec bench --modes 'hybrid,hybrid[engine.acceptance_rates.MODEL_EMA=0.2]'`).
 
-Comparing two builds in separate processes pits each against the machine's mood: on a shared 2-core
+Comparing two builds in separate processes leaves each to the machine's drift: on a shared 2-core
 machine plain decoding moved by up to 17 % from one process to the next, so a few per cent between two
 K-policy rules took four to eight alternated processes to see, or could not be seen at all. A mode with
 settings instead runs beside the unchanged mode and plain decoding, prompt by prompt in the same
