@@ -24,6 +24,7 @@ from pathlib import Path
 from verispec import LLM
 from verispec.bench import replay
 from verispec.bench.run import environment, machine_line
+from verispec.bench.settings import applied
 from verispec.bench.suites import load_suite
 from verispec.engine import acceptance_rates
 from verispec.engine.cost_model import STATIC_AVX2, STATIC_AVX512, STATIC_AVXVNNI
@@ -92,8 +93,8 @@ def main() -> int:
     print("the draft alone, replayed (accounted speedup; rounds at K = 0):")
     for kind, costs in PROFILES.items():
         for label, ema in emas.items():
-            acceptance_rates.MODEL_EMA = ema
-            got = replay.replay_draft(answers, agreements, costs)
+            with applied((("verispec.engine.acceptance_rates.MODEL_EMA", ema),)):
+                got = replay.replay_draft(answers, agreements, costs)
             replayed[f"{kind}, {label} {ema}"] = {cat: {"speedup": r.speedup, "rounds": r.rounds,
                                                          "plain_rounds": r.rounds - r.speculative}
                                                    for cat, r in got.items()}
@@ -101,7 +102,6 @@ def main() -> int:
             cats = ", ".join(f"{c} {x.speedup:.3f}" for c, x in sorted(got.items()) if c != "all")
             print(f"  {kind:8s} {label} {ema}: {r.speedup:.3f}x, {r.rounds - r.speculative} of {r.rounds} rounds "
                   f"({cats})")
-        acceptance_rates.MODEL_EMA = emas["MODEL_EMA"]
 
     if args.out:
         Path(args.out).write_text(json.dumps({

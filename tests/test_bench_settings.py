@@ -98,3 +98,13 @@ def test_a_mode_generates_with_its_settings_and_every_other_mode_without(tmp_pat
     assert "against" not in base
     assert "draft k=2 [MODEL_EMA=0.35] ÷ draft k=2" in format_table(result)
     assert "draft k=2 [MODEL_EMA=0.35] ÷ draft k=2" in format_markdown(result)
+
+
+def test_a_setting_the_code_refuses_ends_in_an_error_that_names_the_mode(tmp_path):
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text('{"id": "a", "category": "x", "prompt_ids": [1, 2, 3, 1, 2]}\n')
+    modes = parse_modes(["draft", "draft[proposers.draft.STOP_BELOW=1.5]"], [2])     # a probability above 1
+    with pytest.raises(VerispecError, match=r"draft k=2 \[STOP_BELOW=1.5\].*its settings broke it.*stop_below"):
+        run_bench(LoadedModel("tiny", tiny_model(0, scale=1.5), None, None, 0.0, False),
+                  LoadedModel("tiny", tiny_model(1, scale=1.5, num_layers=1), None, None, 0.0, False),
+                  load_suite(suite), modes, [0.0], max_tokens=4, repeats=1, progress=False)

@@ -7,6 +7,7 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -18,6 +19,7 @@ from verispec.bench.suites import BenchPrompt
 from verispec.engine.llm import LLM
 from verispec.engine.params import SamplingParams
 from verispec.engine.loading import LoadedModel
+from verispec.errors import VerispecError
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,6 @@ def split_modes(text: str) -> list[str]:
 def parse_modes(modes: list[str], ks: list[int | str]) -> list[Mode]:
     """Mode names (draft, ngram, hybrid, head, hybrid+head), each with an optional /bN suffix and an
     optional [module.NAME=value;…] of tuning constants set while it runs (bench/settings.py)."""
-    from verispec.errors import VerispecError
-
     out = [Mode("none", 0)]
     for m in modes:
         if m in ("plain", "none"):
@@ -107,7 +107,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
         head = shipped_heads(target.name)
     llms = {}
     for m in modes:                     # a mode's settings hold while its LLM is built and while it generates
-        with applied(m.settings):
+        with _in_mode(m):
             llms[m] = LLM(target, draft=draft if m.needs_draft else None, proposer=m.proposer, k=m.k,
                           draft_vocab=draft_vocab if m.needs_draft else 0, kv_dtype=kv_dtype,
                           head=head if m.needs_heads else None, branches=m.branches, draft_stop=draft_stop)
@@ -115,7 +115,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
     texts = [p.render(plain_llm) for p in prompts]
     costs = measure_costs(target, draft, sorted({m.k for m in modes if isinstance(m.k, int)}))
     for mode in modes:          # warm-up: first calls pay one-off costs that would bias the first mode
-        with applied(mode.settings):
+        with _in_mode(mode):
             llms[mode].generate([texts[0]], SamplingParams(temperature=0, max_tokens=4))
     peers = peers or []
     prompt_ids = [plain_llm.encode(t) for t in texts]
@@ -137,7 +137,7 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
                         # (a seeded request follows the fixed-cost schedule, see KPolicy.choose).
                         params = SamplingParams(temperature=temp, max_tokens=max_tokens, top_k=top_k, top_p=top_p)
                         llms[mode].clear_prefix_cache()          # every repeat prefills its prompt, as peers do
-                        with applied(mode.settings):
+                        with _in_mode(mode):
                             t = time.perf_counter()
                             outs = llms[mode].generate([texts[i] for i in group], params)
                             wall = time.perf_counter() - t
@@ -171,6 +171,21 @@ def run_bench(target: LoadedModel, draft: LoadedModel | None, prompts: list[Benc
     return {"environment": env, "costs": costs, "runs": runs,
             "summary": summarize(runs, modes + peers, costs), "max_tokens": max_tokens,
             "sampling": {"top_k": top_k, "top_p": top_p}}
+
+
+@contextmanager
+def _in_mode(mode: Mode):
+    """The mode's settings in force (bench/settings.py); an error they cause (a value the code refuses, such
+    as a probability above 1) ends in a VerispecError that names them instead of a traceback."""
+    with applied(mode.settings):
+        try:
+            yield
+        except VerispecError:
+            raise
+        except (ValueError, TypeError, ZeroDivisionError, IndexError) as exc:
+            if not mode.settings:
+                raise
+            raise VerispecError(f"mode {mode.label!r}: its settings broke it ({type(exc).__name__}: {exc})") from None
 
 
 def _progress(show, done: int, total: int, temp: float, bs: int, label: str, prompt: str) -> None:
